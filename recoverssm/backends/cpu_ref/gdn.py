@@ -1,0 +1,108 @@
+"""Gated DeltaNet recurrence, the readable reference (contract section 2).
+
+One function, three modes, so that verify and the native per-token paths run the very same step:
+
+* ``verify``: start from the row's read-only checkpoint, write outputs and replay records.
+* ``decode``: the native per-token path; the final state goes back into the row's slot.
+* ``snapshot``: the snapshot method; the state after every position goes into its own slot.
+
+Vectorised over rows and heads, a Python loop over window positions. The running state is fp32;
+a bf16 state is rounded only where it is stored.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ...core.backend import GateInputs
+from .numerics import fma, gdn_gates, l2_normalize, precomputed_gates, tree_sum
+
+
+def gdn_step(S: torch.Tensor, k_hat: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+             decay: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the delta rule for a batch of (row, head) states.
+
+    ``S``: fp32 ``[R, HV, V, K]``; ``k_hat``: ``[R, HV, K]`` (already per value head);
+    ``v``: ``[R, HV, V]``; ``beta``, ``decay``: ``[R, HV]``. Returns the new state and ``c_t`` ``[R, HV, V]``.
+    """
+    S_decayed = S * decay[..., None, None]
+    predicted = tree_sum(S_decayed * k_hat[:, :, None, :])
+    correction = beta[..., None] * (v - predicted)
+    return fma(correction[..., None], k_hat[:, :, None, :], S_decayed), correction
+
+
+def replay_step(S: torch.Tensor, correction: torch.Tensor, k_hat: torch.Tensor,
+                decay: torch.Tensor) -> torch.Tensor:
+    """The commit's step: ``S = fma(c, k^, S * d)`` with ``d`` a scalar ``[R, HV]`` or a K-vector ``[R, HV, K]``."""
+    if decay.dim() == S.dim() - 2:
+        S_decayed = S * decay[..., None, None]
+    else:
+        S_decayed = S * decay[..., None, :]
+    return fma(correction[..., None], k_hat[:, :, None, :], S_decayed)
+
+
+def _row_bounds(query_start_loc: torch.Tensor) -> tuple[list[int], list[int]]:
+    qsl = query_start_loc.tolist()
+    return qsl[:-1], [qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)]
+
+
+def _token_inputs(q, k, gates: GateInputs, scale: float, use_qk_l2norm: bool):
+    if use_qk_l2norm:
+        q_hat = l2_normalize(q) * scale
+        k_hat = l2_normalize(k)
+    else:
+        q_hat = q.float() * scale
+        k_hat = k.float()
+    if gates.precomputed:
+        decay, beta = precomputed_gates(gates.g, gates.beta)
+    else:
+        decay, beta = gdn_gates(gates.a, gates.b, gates.A_log, gates.dt_bias)
+    return q_hat, k_hat, decay, beta
+
+
+def gdn_recurrent(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor,
+                  state_indices: torch.Tensor, query_start_loc: torch.Tensor, gates: GateInputs,
+                  scale: float, use_qk_l2norm: bool, null_slot: int, out: torch.Tensor,
+                  records: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                  snapshot_slots: Optional[torch.Tensor]) -> None:
+    """See :meth:`recoverssm.core.backend.Backend.gdn_recurrent`.
+
+    ``q``, ``k``: ``[T_total, H, K]``; ``v``, ``out``: ``[T_total, HV, V]``; ``state``:
+    ``[num_slots, HV, V, K]``; ``records`` = (correction, key, decay) fp32 workspaces.
+    """
+    H, HV = q.shape[1], v.shape[1]
+    group = HV // H
+    starts, lengths = _row_bounds(query_start_loc)
+    slots = state_indices.tolist()
+    rows = [r for r in range(len(slots)) if slots[r] > null_slot and lengths[r] > 0]
+    for r in range(len(slots)):
+        if slots[r] <= null_slot and lengths[r] > 0:  # padding rows: zero output, nothing else
+            out[starts[r]:starts[r] + lengths[r]] = 0
+    if not rows:
+        return
+    q_hat, k_hat, decay, beta = _token_inputs(q, k, gates, scale, use_qk_l2norm)
+    head_of = torch.arange(HV) // group
+    S = state[[slots[r] for r in rows]].float()
+    for t in range(max(lengths[r] for r in rows)):
+        live = [i for i, r in enumerate(rows) if lengths[r] > t]
+        tok = [starts[rows[i]] + t for i in live]
+        k_t = k_hat[tok]                      # [R, H, K]
+        S_live, c_t = gdn_step(S[live], k_t[:, head_of], v[tok].float(), beta[tok], decay[tok])
+        S[live] = S_live
+        o_t = tree_sum(S_live * q_hat[tok][:, head_of, None, :])
+        out[tok] = o_t.to(out.dtype)
+        if mode == "verify":
+            correction, key, decay_rec = records
+            live_rows = [rows[i] for i in live]
+            correction[live_rows, :, t] = c_t
+            key[live_rows, :, t] = k_t
+            decay_rec[live_rows, :, t] = decay[tok]
+        elif mode == "snapshot":
+            for i in live:
+                dst = int(snapshot_slots[rows[i], t])
+                if dst > null_slot:
+                    state[dst] = S[i].to(state.dtype)
+    if mode == "decode":
+        for i, r in enumerate(rows):
+            state[slots[r]] = S[i].to(state.dtype)

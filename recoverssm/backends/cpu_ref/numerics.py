@@ -1,0 +1,99 @@
+"""Bit-reproducible fp32 building blocks of the reference.
+
+Everything here is written so that a value depends only on the operands of its own token and head,
+never on how many rows share the call. PyTorch's CPU kernels may round a transcendental function
+differently in the vectorised body and in the scalar tail of a loop, and the order of a reduction
+may follow the tensor's shape; so the reference
+
+* sums with an explicit pairwise tree of elementwise adds (:func:`tree_sum`),
+* fuses multiply-adds with one rounding through an exact float64 emulation (:func:`fma`),
+* evaluates transcendental gates one token at a time on tensors of a fixed shape (:func:`gdn_gates`).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+L2NORM_EPS = 1e-6
+SOFTPLUS_THRESHOLD = 20.0
+
+
+def tree_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim by halving: ``x[..., :n/2] + x[..., n/2:]`` until one column is left.
+
+    Each step is an elementwise fp32 add (exactly rounded on every code path), so the result is
+    independent of batch shape and threading. Non-power-of-two lengths are padded with zeros.
+    """
+    n = x.shape[-1]
+    width = 1 << max(n - 1, 0).bit_length()
+    if width != n:
+        x = F.pad(x, (0, width - n))
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x[..., 0]
+
+
+def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """fp32 ``a * b + c`` with a single rounding (IEEE fused multiply-add), broadcasting.
+
+    The product of two fp32 values is exact in float64; the float64 sum is corrected to
+    round-to-odd with its exact error term (TwoSum), and rounding a round-to-odd float64
+    (53 >= 24 + 2 bits) to fp32 gives the correctly rounded fused result. This is the one helper
+    every fused multiply-add of the reference goes through.
+    """
+    a64, b64, c64 = a.double(), b.double(), c.double()
+    prod = a64 * b64
+    total = prod + c64
+    c_part = total - prod
+    err = (prod - (total - c_part)) + (c64 - c_part)
+    inexact_even = (err != 0) & ((total.view(torch.int64) & 1) == 0) & torch.isfinite(total)
+    toward = torch.where(err > 0, torch.full_like(total, float("inf")), torch.full_like(total, float("-inf")))
+    total = torch.where(inexact_even, torch.nextafter(total, toward), total)
+    return total.float()
+
+
+def l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + 1e-6)`` over the last dim, fp32."""
+    x = x.float()
+    return x / torch.sqrt(tree_sum(x * x) + L2NORM_EPS)[..., None]
+
+
+def softplus(x: torch.Tensor) -> torch.Tensor:
+    """``x if x > 20 else log1p(exp(x))`` (contract section 2)."""
+    return torch.where(x > SOFTPLUS_THRESHOLD, x, torch.log1p(torch.exp(x)))
+
+
+def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+              dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decay ``d = exp(-exp(A_log) * softplus(a + dt_bias))`` and ``beta = sigmoid(b)``.
+
+    ``a``, ``b``: ``[T, HV]`` (any float dtype); ``A_log``, ``dt_bias``: ``[HV]`` fp32.
+    Returns two fp32 ``[T, HV]`` tensors. Evaluated one token (one ``[HV]`` vector) at a time so
+    that a token's gates never depend on the batch it arrived in.
+    """
+    neg_a = -torch.exp(A_log.float())
+    dt_bias = dt_bias.float()
+    decay = torch.empty(a.shape, dtype=torch.float32)
+    beta = torch.empty(b.shape, dtype=torch.float32)
+    for t in range(a.shape[0]):
+        g_t = neg_a * softplus(a[t].float() + dt_bias)
+        decay[t] = torch.exp(g_t)
+        beta[t] = torch.sigmoid(b[t].float())
+    return decay, beta
+
+
+def precomputed_gates(g: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decay ``exp(g)`` and ``beta`` from precomputed ``[T, HV]`` gates, one token at a time."""
+    decay = torch.empty(g.shape, dtype=torch.float32)
+    for t in range(g.shape[0]):
+        decay[t] = torch.exp(g[t].float())
+    return decay, beta.float().clone()
+
+
+def silu_rows(x: torch.Tensor) -> torch.Tensor:
+    """SiLU applied one row (``x[i]``) at a time, for the same reason as :func:`gdn_gates`."""
+    out = torch.empty_like(x)
+    for i in range(x.shape[0]):
+        out[i] = F.silu(x[i])
+    return out

@@ -1,0 +1,47 @@
+"""Registers the ``cpu_ref`` backend with the plugin manager."""
+from __future__ import annotations
+
+from ...core.backend import Backend
+from ...core.hookspecs import hookimpl
+from ...core.pointers import PointerEncoding
+from . import commit, conv, gdn
+
+
+class CpuRefBackend(Backend):
+    """Pure PyTorch on CPU tensors: the readable reference every kernel is checked against."""
+
+    name = "cpu_ref"
+    device_types = ("cpu",)
+    pointer_encoding = PointerEncoding.INT64
+    capabilities = frozenset({
+        "conv_verify", "gdn_verify", "gdn_decode", "gdn_spec_decode_snapshot",
+        "plan_commit", "commit", "grouped_commit", "bf16_state", "vector_decay",
+    })
+
+    def conv_verify(self, x, conv_state, weight, bias, state_indices, query_start_loc, silu,
+                    null_slot, out):
+        conv.conv_verify(x, conv_state, weight, bias, state_indices, query_start_loc, silu,
+                         null_slot, out)
+
+    def gdn_recurrent(self, mode, q, k, v, state, state_indices, query_start_loc, gates, scale,
+                      use_qk_l2norm, null_slot, out, records, snapshot_slots):
+        gdn.gdn_recurrent(mode, q, k, v, state, state_indices, query_start_loc, gates, scale,
+                          use_qk_l2norm, null_slot, out, records, snapshot_slots)
+
+    def plan_commit(self, num_accepted, state_indices, query_start_loc, request_indices,
+                    block_table, num_computed_tokens, block_size, null_slot, num_slots, out):
+        commit.plan_commit(num_accepted, state_indices, query_start_loc, request_indices,
+                           block_table, num_computed_tokens, block_size, null_slot, num_slots, out)
+
+    def make_committer(self, layers, num_groups, max_batch, null_slot):
+        return commit.RefCommitter(layers, null_slot)
+
+
+@hookimpl
+def recoverssm_backends():
+    return [CpuRefBackend()]
+
+
+@hookimpl
+def recoverssm_default_backend(device_type: str):
+    return "cpu_ref" if device_type == "cpu" else None

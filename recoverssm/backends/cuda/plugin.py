@@ -1,0 +1,5 @@
+from ...core.hookspecs import hookimpl
+
+@hookimpl
+def recoverssm_backends():
+    return []

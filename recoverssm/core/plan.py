@@ -1,0 +1,54 @@
+"""The commit plan rules (contract section 4), one row at a time, on host lists.
+
+This is the plan written as plainly as possible. The ``cpu_ref`` backend commits with it,
+validation uses it to find the slots a commit would write, and every other backend's plan (the
+GPU commit computes it inside the kernel) must agree with it.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+NO_SLOT_LIMIT = 2**31 - 1
+
+
+def plan_rows(num_accepted: list[int], state_indices: list[int], qsl: list[int],
+              request_indices: Optional[list[int]], block_table: Optional[list[list[int]]],
+              num_computed_tokens: Optional[list[int]], block_size: int, null_slot: int,
+              num_slots: int) -> list[tuple[int, int, int, int]]:
+    """``(commit_len, final_slot, boundary_slot, boundary_len)`` for each batch row.
+
+    A slot outside ``(null_slot, num_slots)`` is treated as null, so a row whose source or final
+    slot is out of range writes nothing (validation rejects such values before this on CPU).
+    """
+    def real(slot: int) -> bool:
+        return null_slot < slot < num_slots
+
+    plan = []
+    for r, src in enumerate(state_indices):
+        q = request_indices[r] if request_indices is not None else r
+        length = qsl[r + 1] - qsl[r]
+        n = min(max(num_accepted[q], 0), length)
+        if not real(src) or n <= 0:
+            plan.append((0, null_slot, null_slot, 0))
+            continue
+        if block_table is None:
+            plan.append((n, src, null_slot, 0))
+            continue
+        blocks = block_table[q]
+        width = len(blocks)
+        nc = num_computed_tokens[q]
+        final = blocks[min((nc + n - 1) // block_size, width - 1)]
+        if not real(final):
+            plan.append((0, null_slot, null_slot, 0))
+            continue
+        first_block = nc // block_size
+        next_boundary = (first_block + 1) * block_size
+        boundary, boundary_len = null_slot, 0
+        if nc + n >= next_boundary and first_block < width:
+            cand = blocks[first_block]
+            if cand != final and real(cand):
+                boundary, boundary_len = cand, next_boundary - nc
+        plan.append((n, final, boundary, boundary_len))
+    return plan
+
+

@@ -1,0 +1,131 @@
+"""Thin holders over tensors: replay records, a layer's caches and a commit plan.
+
+They own no logic beyond allocation and shape bookkeeping, so that the kernel-facing layer
+(backends) can stay a set of functions over plain tensors (the future ``torch.library`` ops).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class ReplayRecords:
+    """Per-token replay records of one recurrent layer (contract section 2 and 3).
+
+    ``correction``: fp32 ``[max_batch, HV, max_window, V]``, the correction ``c_t``.
+    ``key``: fp32 ``[max_batch, H, max_window, K]``, the normalized key ``k^_t`` (one per q/k head).
+    ``decay``: fp32 ``[max_batch, HV, max_window]`` (scalar decay, GDN / Mamba2) or
+    ``[max_batch, HV, max_window, K]`` (vector decay, KDA), the exact multiplier ``d_t``.
+
+    Indexed by batch row ``r`` and window position ``t``. The records live in a workspace beside
+    the state pool; they are overwritten by every verify and consumed by the commit that follows.
+    """
+
+    correction: torch.Tensor
+    key: torch.Tensor
+    decay: torch.Tensor
+
+    @classmethod
+    def allocate(
+        cls,
+        max_batch: int,
+        max_window: int,
+        H: int,
+        HV: int,
+        K: int,
+        V: int,
+        *,
+        device: torch.device | str | None = None,
+        vector_decay: bool = False,
+    ) -> "ReplayRecords":
+        """Allocate an fp32 records workspace for up to ``max_batch`` rows of ``max_window`` tokens."""
+        for name, val in (("max_batch", max_batch), ("max_window", max_window), ("H", H),
+                          ("HV", HV), ("K", K), ("V", V)):
+            if not isinstance(val, int) or val < 1:
+                raise ValueError(f"ReplayRecords.allocate: {name} must be a positive int, got {val!r}")
+        if HV % H:
+            raise ValueError(f"ReplayRecords.allocate: HV ({HV}) must be a multiple of H ({H})")
+        kw = dict(dtype=torch.float32, device=device)
+        decay_shape = (max_batch, HV, max_window, K) if vector_decay else (max_batch, HV, max_window)
+        return cls(
+            correction=torch.zeros(max_batch, HV, max_window, V, **kw),
+            key=torch.zeros(max_batch, H, max_window, K, **kw),
+            decay=torch.zeros(decay_shape, **kw),
+        )
+
+    @property
+    def max_batch(self) -> int:
+        return self.correction.shape[0]
+
+    @property
+    def num_v_heads(self) -> int:
+        return self.correction.shape[1]
+
+    @property
+    def num_k_heads(self) -> int:
+        return self.key.shape[1]
+
+    @property
+    def max_window(self) -> int:
+        return self.correction.shape[2]
+
+    @property
+    def head_v_dim(self) -> int:
+        return self.correction.shape[3]
+
+    @property
+    def head_k_dim(self) -> int:
+        return self.key.shape[3]
+
+    @property
+    def vector_decay(self) -> bool:
+        return self.decay.dim() == 4
+
+    @property
+    def device(self) -> torch.device:
+        return self.correction.device
+
+
+@dataclass
+class LayerCache:
+    """One recurrent layer's caches, as the commit sees them.
+
+    ``state``: ``[num_slots, HV, V, K]`` fp32 or bf16, K contiguous.
+    ``records``: the layer's :class:`ReplayRecords`.
+    ``conv_state``: optional ``[num_slots, conv_dim, history + max_window]``, compacted by the commit;
+    its history width is ``conv_state.shape[2] - records.max_window``.
+    """
+
+    state: torch.Tensor
+    records: ReplayRecords
+    conv_state: Optional[torch.Tensor] = None
+
+    @property
+    def conv_history(self) -> int:
+        """Columns of conv history (``kernel_width - 1``): what the conv state holds beyond the window."""
+        if self.conv_state is None:
+            return 0
+        return self.conv_state.shape[2] - self.records.max_window
+
+
+@dataclass
+class CommitPlan:
+    """What the commit does for each batch row (contract section 4); int32 tensors of shape ``[B]``.
+
+    ``commit_len``: accepted tokens replayed (0 for rows that write nothing).
+    ``final_slot``: the slot that receives the state after ``commit_len`` tokens (null where invalid).
+    ``boundary_slot``: align mode only, the slot that receives the block-boundary state (else null).
+    ``boundary_len``: tokens folded into the boundary state (0 where ``boundary_slot`` is null).
+    """
+
+    commit_len: torch.Tensor
+    final_slot: torch.Tensor
+    boundary_slot: torch.Tensor
+    boundary_len: torch.Tensor
+    null_slot: int = -1
+
+    def as_dict(self) -> dict[str, list[int]]:
+        return {k: getattr(self, k).tolist() for k in ("commit_len", "final_slot", "boundary_slot", "boundary_len")}
