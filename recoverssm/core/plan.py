@@ -18,7 +18,9 @@ def plan_rows(num_accepted: list[int], state_indices: list[int], qsl: list[int],
     """``(commit_len, final_slot, boundary_slot, boundary_len)`` for each batch row.
 
     A slot outside ``(null_slot, num_slots)`` is treated as null, so a row whose source or final
-    slot is out of range writes nothing (validation rejects such values before this on CPU).
+    slot is out of range writes nothing; so is a row whose request index is out of range or whose
+    ``num_computed_tokens`` is negative. Validation rejects such values before this on CPU (and on
+    GPU with ``check=True``); the kernels follow these same rules whatever the values.
     """
     def real(slot: int) -> bool:
         return null_slot < slot < num_slots
@@ -27,6 +29,9 @@ def plan_rows(num_accepted: list[int], state_indices: list[int], qsl: list[int],
     for r, src in enumerate(state_indices):
         q = request_indices[r] if request_indices is not None else r
         length = qsl[r + 1] - qsl[r]
+        if not 0 <= q < len(num_accepted):
+            plan.append((0, null_slot, null_slot, 0))
+            continue
         n = min(max(num_accepted[q], 0), length)
         if not real(src) or n <= 0:
             plan.append((0, null_slot, null_slot, 0))
@@ -37,6 +42,9 @@ def plan_rows(num_accepted: list[int], state_indices: list[int], qsl: list[int],
         blocks = block_table[q]
         width = len(blocks)
         nc = num_computed_tokens[q]
+        if nc < 0:
+            plan.append((0, null_slot, null_slot, 0))
+            continue
         final = blocks[min((nc + n - 1) // block_size, width - 1)]
         if not real(final):
             plan.append((0, null_slot, null_slot, 0))

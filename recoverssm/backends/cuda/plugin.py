@@ -1,5 +1,38 @@
+"""Registers the ``cuda`` backend: shared Triton kernels, plain int64 pointer tables."""
+from __future__ import annotations
+
+import torch
+
 from ...core.hookspecs import hookimpl
+from ...core.pointers import PointerEncoding
+from ..triton.backend import TritonBackend
+from ..triton.launch import LaunchConfig
+
+
+class CudaBackend(TritonBackend):
+    """NVIDIA GPUs through Triton. Launch table tuned on an H200 (docs/BENCHMARKS.md)."""
+
+    name = "cuda"
+    device_types = ("cuda",)
+    pointer_encoding = PointerEncoding.INT64
+    launch_table = {
+        None: LaunchConfig(),
+    }
+
+    def device_present(self) -> bool:
+        return torch.cuda.is_available()
+
+    def device_guard(self, device: torch.device):
+        if device.type == "cuda":
+            return torch.cuda.device(device)
+        return super().device_guard(device)
+
 
 @hookimpl
 def recoverssm_backends():
-    return []
+    return [CudaBackend()]
+
+
+@hookimpl
+def recoverssm_default_backend(device_type: str):
+    return "cuda" if device_type == "cuda" else None

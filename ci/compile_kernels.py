@@ -1,0 +1,112 @@
+"""Compile every Triton kernel for a GPU target without a GPU, and print registers and spills.
+
+Triton's wheel carries ptxas, so this runs on a CPU-only machine: it catches compile errors that
+the interpreter cannot see and shows register pressure before any device time is spent.
+
+    python ci/compile_kernels.py            # sm_90 (H100 / H200)
+    python ci/compile_kernels.py --arch 80
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from recoverssm.backends.triton.commit import grouped_commit_kernel, plan_commit_kernel
+from recoverssm.backends.triton.conv import conv_verify_kernel
+from recoverssm.backends.triton.gdn import MODE_DECODE, MODE_SNAPSHOT, MODE_VERIFY, gdn_recurrent_kernel
+from recoverssm.backends.triton.launch import LaunchConfig
+
+
+def _signature(fn, pointer_types: dict[str, str], constexprs: dict, default: str = "i32"):
+    params = list(inspect.signature(fn.fn).parameters)
+    sig, attrs = {}, {}
+    for i, p in enumerate(params):
+        if p in constexprs:
+            sig[p] = "constexpr"
+        elif p.endswith("_ptr"):
+            sig[p] = pointer_types.get(p, "*fp32")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[p] = pointer_types.get(p, default)
+            if p.startswith("stride"):  # what Triton's JIT infers for strides that are multiples of 16
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, attrs
+
+
+def compile_one(fn, constexprs, pointer_types, num_warps, arch):
+    sig, attrs = _signature(fn, pointer_types, constexprs)
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                              options=dict(num_warps=num_warps, enable_fp_fusion=False))
+    return _resource_usage(compiled.asm["cubin"])
+
+
+def _resource_usage(cubin: bytes) -> tuple[int, int]:
+    """Registers and spill bytes from ``cuobjdump --dump-resource-usage`` (shipped with Triton)."""
+    from triton.backends.nvidia import compiler as nv
+
+    tool = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
+                              text=True, check=True).stdout
+    regs = int(re.search(r"REG:(\d+)", text).group(1))
+    stack = int(re.search(r"STACK:(\d+)", text).group(1))
+    return regs, stack
+
+
+def cases(cfg: LaunchConfig, K=128, V=128, H=16, HV=48):
+    ints = {n: "*i32" for n in ("state_indices_ptr", "qsl_ptr", "snapshot_ptr", "num_accepted_ptr",
+                                "request_indices_ptr", "block_table_ptr", "num_computed_ptr",
+                                "commit_len_ptr", "final_ptr", "boundary_ptr", "boundary_len_ptr")}
+    f32 = {"scale": "fp32"}
+    for state in ("*fp32", "*bf16"):
+        for mode in (MODE_VERIFY, MODE_DECODE, MODE_SNAPSHOT):
+            yield (f"gdn_recurrent mode={mode} state={state}", gdn_recurrent_kernel,
+                   dict(H=H, HV=HV, K=K, V=V, K_PAD=K, K_CHUNKS=cfg.gdn_k_chunks, BV=cfg.gdn_block_v,
+                        MODE=mode, GATES_PRECOMPUTED=False, USE_L2NORM=True),
+                   {**ints, **f32, "state_ptr": state, "q_ptr": "*bf16", "k_ptr": "*bf16",
+                    "v_ptr": "*bf16", "out_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16"},
+                   cfg.gdn_warps)
+    yield ("conv_verify", conv_verify_kernel,
+           dict(WIDTH=4, BD=cfg.conv_block, HAS_BIAS=True, SILU=True),
+           {**ints, "x_ptr": "*bf16", "conv_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16",
+            "out_ptr": "*bf16"}, cfg.conv_warps)
+    yield ("plan_commit", plan_commit_kernel, dict(BLOCK=cfg.plan_block), {**ints, "bt_stride": "i64"}, 4)
+    for state, st in (("fp32", tl.float32), ("bf16", tl.bfloat16)):
+        yield (f"grouped_commit state={state}", grouped_commit_kernel,
+               dict(H=H, HV=HV, K=K, V=V, K_PAD=K, BV=cfg.commit_block_v, BD=cfg.conv_block,
+                    CONV_COLS=4, STATE_DTYPE=st, CONV_DTYPE=tl.bfloat16, ALIGNED=True),
+               {**ints, "layer_table_ptr": "*i64", "group_table_ptr": "*i64"}, cfg.commit_warps)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", type=int, default=90)
+    args = ap.parse_args(argv)
+    from recoverssm.backends.cuda.plugin import CudaBackend
+    cfg = CudaBackend.launch_table[None]
+    failed = 0
+    for name, fn, constexprs, ptypes, warps in cases(cfg):
+        try:
+            regs, spills = compile_one(fn, constexprs, ptypes, warps, args.arch)
+            print(f"{name:40s} warps={warps} regs={regs:4d} stack bytes={spills}")
+        except Exception as exc:  # noqa: BLE001 - report every kernel, fail at the end
+            failed += 1
+            print(f"{name:40s} FAILED: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""The commit plan and the one-launch grouped commit.
+
+``plan_row`` is contract section 4 in Triton (the twin of ``core/plan.py::plan_rows``); it runs on
+scalars inside the commit kernel (no separate plan launch) and on vectors in ``plan_commit_kernel``.
+
+``grouped_commit_kernel`` covers every layer of every KV-cache group in one launch. Grid axis 2 is
+the layer, axis 1 the batch row, axis 0 the work item: ``HV * cdiv(V, BV)`` state tiles, then the
+conv-compaction blocks of that layer and row. Per-layer base pointers and strides come from an
+int64 device table built once per commit context (``LAYER_*`` columns); per-group pointers to the
+step's index tensors come from a second small table (``GROUP_*`` columns).
+"""
+import triton
+import triton.language as tl
+
+from .numerics import to_storage
+
+# Columns of the per-layer table (int64). Pointers are stored with the backend's encoding.
+LAYER_STATE, LAYER_STATE_SLOT_STRIDE, LAYER_STATE_HEAD_STRIDE, LAYER_STATE_V_STRIDE, \
+    LAYER_NUM_SLOTS, LAYER_CORRECTION, LAYER_KEY, LAYER_DECAY, LAYER_MAX_WINDOW, \
+    LAYER_CONV, LAYER_CONV_SLOT_STRIDE, LAYER_CONV_DIM_STRIDE, LAYER_CONV_COL_STRIDE, \
+    LAYER_CONV_DIM, LAYER_CONV_HISTORY, LAYER_GROUP = map(tl.constexpr, range(16))
+LAYER_FIELDS = tl.constexpr(16)
+LAYER_POINTER_COLUMNS = tuple(c.value for c in (LAYER_STATE, LAYER_CORRECTION, LAYER_KEY, LAYER_DECAY, LAYER_CONV))
+
+# Columns of the per-group table (int64); a zero pointer means "not given".
+GROUP_STATE_INDICES, GROUP_REQUEST_INDICES, GROUP_BLOCK_TABLE, GROUP_BLOCK_TABLE_STRIDE, \
+    GROUP_BLOCK_TABLE_WIDTH, GROUP_NUM_COMPUTED, GROUP_BLOCK_SIZE = map(tl.constexpr, range(7))
+GROUP_FIELDS = tl.constexpr(7)
+GROUP_POINTER_COLUMNS = tuple(c.value for c in (GROUP_STATE_INDICES, GROUP_REQUEST_INDICES,
+                                                GROUP_BLOCK_TABLE, GROUP_NUM_COMPUTED))
+
+
+@triton.jit
+def plan_row(row, in_batch, num_accepted_ptr, qsl_ptr, state_indices_ptr, request_indices_ptr,
+             block_table_ptr, num_computed_ptr, has_request_indices, align,
+             bt_stride, bt_width, block_size, num_requests, null_slot, num_slots, max_len):
+    """Contract section 4 for ``row`` (a scalar or a vector of rows, ``in_batch`` masks the tail).
+
+    ``has_request_indices`` and ``align`` are integers, nonzero meaning yes (in the grouped
+    kernel they are the table's pointers themselves). Returns
+    ``(commit_len, source, final, boundary, boundary_len)``; invalid rows get
+    ``(0, null, null, null, 0)``. Out-of-range values never reach an address: they make the row
+    (or its boundary) null instead.
+    """
+    # tl.where keeps the flags int1 tensors whether they arrive as runtime values or as
+    # constants (Triton specializes integer arguments equal to 1).
+    has_request_indices = tl.where(has_request_indices != 0, in_batch, False)
+    align = tl.where(align != 0, in_batch, False)
+    src = tl.load(state_indices_ptr + row, mask=in_batch, other=null_slot)
+    length = tl.load(qsl_ptr + row + 1, mask=in_batch, other=0) - tl.load(qsl_ptr + row, mask=in_batch, other=0)
+    length = tl.minimum(tl.maximum(length, 0), max_len)
+    req = tl.load(request_indices_ptr + row, mask=has_request_indices, other=0)
+    req = tl.where(has_request_indices, req, row)
+    req_ok = (req >= 0) & (req < num_requests)
+    accepted = tl.load(num_accepted_ptr + req, mask=in_batch & req_ok, other=0)
+    n = tl.minimum(tl.maximum(accepted, 0), length)
+    valid = in_batch & req_ok & (src > null_slot) & (src < num_slots) & (n > 0)
+
+    in_align = valid & align
+    computed = tl.load(num_computed_ptr + req, mask=in_align, other=0)
+    last_block = tl.minimum((computed + n - 1) // block_size, bt_width - 1)
+    bt_row = block_table_ptr + req.to(tl.int64) * bt_stride
+    final = tl.load(bt_row + last_block, mask=in_align & (computed >= 0), other=null_slot)
+    final = tl.where(align, final, src)
+    valid = valid & (final > null_slot) & (final < num_slots) & (computed >= 0)
+
+    first_block = computed // block_size
+    next_boundary = (first_block + 1) * block_size
+    crosses = valid & align & (computed + n >= next_boundary) & (first_block < bt_width)
+    candidate = tl.load(bt_row + first_block, mask=crosses, other=null_slot)
+    has_boundary = crosses & (candidate != final) & (candidate > null_slot) & (candidate < num_slots)
+
+    commit_len = tl.where(valid, n, 0)
+    final = tl.where(valid, final, null_slot)
+    boundary = tl.where(has_boundary, candidate, null_slot)
+    boundary_len = tl.where(has_boundary, next_boundary - computed, 0)
+    return commit_len, src, final, boundary, boundary_len
+
+
+@triton.jit
+def plan_commit_kernel(num_accepted_ptr, qsl_ptr, state_indices_ptr, request_indices_ptr,
+                       block_table_ptr, num_computed_ptr,
+                       commit_len_ptr, final_ptr, boundary_ptr, boundary_len_ptr,
+                       batch, has_request_indices, align, bt_stride, bt_width, block_size,
+                       num_requests, null_slot, num_slots, max_len, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_batch = rows < batch
+    n, _, final, boundary, boundary_len = plan_row(
+        rows, in_batch, num_accepted_ptr, qsl_ptr, state_indices_ptr, request_indices_ptr,
+        block_table_ptr, num_computed_ptr, has_request_indices, align,
+        bt_stride, bt_width, block_size, num_requests, null_slot, num_slots, max_len)
+    tl.store(commit_len_ptr + rows, n, mask=in_batch)
+    tl.store(final_ptr + rows, final, mask=in_batch)
+    tl.store(boundary_ptr + rows, boundary, mask=in_batch)
+    tl.store(boundary_len_ptr + rows, boundary_len, mask=in_batch)
+
+
+@triton.jit
+def table_entry(table_row, column, ALIGNED: tl.constexpr, MULTIPLE: tl.constexpr):
+    """Load one int64 table entry (a stride); with ``ALIGNED`` promise the compiler it is a
+    multiple of ``MULTIPLE`` (the committer checked it on the host)."""
+    value = tl.load(table_row + column)
+    if ALIGNED:
+        value = tl.multiple_of(value, MULTIPLE)
+    return value
+
+
+@triton.jit
+def table_pointer(table_row, column, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    """Cast one table entry back to a ``DTYPE`` pointer; with ``ALIGNED`` promise 16-byte
+    alignment, which lets the compiler use 16-byte vector accesses."""
+    pointer = tl.load(table_row + column).to(tl.pointer_type(DTYPE))
+    if ALIGNED:
+        pointer = tl.multiple_of(pointer, 16)
+    return pointer
+
+
+@triton.jit
+def replay_tokens(S, corr_row, key_row, decay_row, first, last, offs_v, mask_v, offs_k, mask_k,
+                  V: tl.constexpr, K: tl.constexpr):
+    """``S = fma(c_t, k^_t, S * d_t)`` for window positions ``first <= t < last`` (``[BV, K_PAD]`` tile)."""
+    for t in range(first, last):
+        correction = tl.load(corr_row + t * V + offs_v, mask=mask_v, other=0.0)
+        k_hat = tl.load(key_row + t * K + offs_k, mask=mask_k, other=0.0)
+        decay = tl.load(decay_row + t)
+        S = tl.fma(correction[:, None], k_hat[None, :], S * decay)
+    return S
+
+
+@triton.jit
+def grouped_commit_kernel(
+    layer_table_ptr, group_table_ptr, num_accepted_ptr, qsl_ptr,
+    num_requests, null_slot,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    K_PAD: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, CONV_COLS: tl.constexpr,
+    STATE_DTYPE: tl.constexpr, CONV_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
+):
+    item = tl.program_id(0)
+    row = tl.program_id(1)
+    layer = tl.program_id(2)
+    V_TILES: tl.constexpr = (V + BV - 1) // BV
+
+    lt = layer_table_ptr + layer * LAYER_FIELDS
+    group = tl.load(lt + LAYER_GROUP)
+    gt = group_table_ptr + group * GROUP_FIELDS
+    request_indices = tl.load(gt + GROUP_REQUEST_INDICES)
+    block_table = tl.load(gt + GROUP_BLOCK_TABLE)
+    max_window = tl.load(lt + LAYER_MAX_WINDOW).to(tl.int32)
+    num_slots = tl.load(lt + LAYER_NUM_SLOTS).to(tl.int32)
+    n, src, final, boundary, boundary_len = plan_row(
+        row, row >= 0, num_accepted_ptr, qsl_ptr,
+        tl.load(gt + GROUP_STATE_INDICES).to(tl.pointer_type(tl.int32)),
+        request_indices.to(tl.pointer_type(tl.int32)),
+        block_table.to(tl.pointer_type(tl.int32)),
+        tl.load(gt + GROUP_NUM_COMPUTED).to(tl.pointer_type(tl.int32)),
+        request_indices, block_table,
+        tl.load(gt + GROUP_BLOCK_TABLE_STRIDE), tl.load(gt + GROUP_BLOCK_TABLE_WIDTH).to(tl.int32),
+        tl.load(gt + GROUP_BLOCK_SIZE).to(tl.int32),
+        num_requests, null_slot, num_slots, max_window)
+
+    if n > 0:
+        if item < HV * V_TILES:
+            hv = item // V_TILES
+            h = hv // (HV // H)
+            offs_v = (item % V_TILES) * BV + tl.arange(0, BV)
+            mask_v = offs_v < V
+            offs_k = tl.arange(0, K_PAD)
+            mask_k = offs_k < K
+            VEC: tl.constexpr = 128 // STATE_DTYPE.primitive_bitwidth  # elements per 16 bytes
+            state = table_pointer(lt, LAYER_STATE, STATE_DTYPE, ALIGNED)
+            slot_stride = table_entry(lt, LAYER_STATE_SLOT_STRIDE, ALIGNED, VEC)
+            head = hv * table_entry(lt, LAYER_STATE_HEAD_STRIDE, ALIGNED, VEC)
+            tile = offs_v[:, None] * table_entry(lt, LAYER_STATE_V_STRIDE, ALIGNED, VEC) + offs_k[None, :]
+            mask = mask_v[:, None] & mask_k[None, :]
+            corr_row = table_pointer(lt, LAYER_CORRECTION, tl.float32, ALIGNED) + (row * HV + hv).to(tl.int64) * max_window * V
+            key_row = table_pointer(lt, LAYER_KEY, tl.float32, ALIGNED) + (row * H + h).to(tl.int64) * max_window * K
+            decay_row = table_pointer(lt, LAYER_DECAY, tl.float32, False) + (row * HV + hv).to(tl.int64) * max_window
+
+            # Read the source tile once, before anything is stored: the boundary (or final)
+            # slot may be the source slot itself.
+            S = tl.load(state + src.to(tl.int64) * slot_stride + head + tile, mask=mask, other=0.0).to(tl.float32)
+            S = replay_tokens(S, corr_row, key_row, decay_row, 0, boundary_len,
+                              offs_v, mask_v, offs_k, mask_k, V, K)
+            if boundary > null_slot:
+                tl.store(state + boundary.to(tl.int64) * slot_stride + head + tile, to_storage(S, STATE_DTYPE), mask=mask)
+            S = replay_tokens(S, corr_row, key_row, decay_row, boundary_len, n,
+                              offs_v, mask_v, offs_k, mask_k, V, K)
+            tl.store(state + final.to(tl.int64) * slot_stride + head + tile, to_storage(S, STATE_DTYPE), mask=mask)
+        else:
+            conv = tl.load(lt + LAYER_CONV)
+            conv_dim = tl.load(lt + LAYER_CONV_DIM)
+            offs_d = (item - HV * V_TILES) * BD + tl.arange(0, BD)
+            if (conv != 0) & ((item - HV * V_TILES) * BD < conv_dim):
+                # dst[:, :history] = src[:, n : n + history] (and boundary_len for the boundary
+                # slot); the whole source window is loaded before either store.
+                conv_state = conv.to(tl.pointer_type(CONV_DTYPE))
+                history = tl.load(lt + LAYER_CONV_HISTORY)
+                col_stride = tl.load(lt + LAYER_CONV_COL_STRIDE)
+                chan = offs_d[:, None] * tl.load(lt + LAYER_CONV_DIM_STRIDE)
+                cols = tl.arange(0, CONV_COLS)[None, :]
+                slot_stride = tl.load(lt + LAYER_CONV_SLOT_STRIDE)
+                mask_d = (offs_d < conv_dim)[:, None]
+                src_row = conv_state + src.to(tl.int64) * slot_stride + chan
+                keep = mask_d & (cols < history)
+                final_cols = tl.load(src_row + (cols + n) * col_stride, mask=keep, other=0.0)
+                boundary_cols = tl.load(src_row + (cols + boundary_len) * col_stride,
+                                        mask=tl.where(boundary > null_slot, keep, False), other=0.0)
+                tl.debug_barrier()
+                if boundary > null_slot:
+                    tl.store(conv_state + boundary.to(tl.int64) * slot_stride + chan + cols * col_stride,
+                             boundary_cols, mask=keep)
+                tl.store(conv_state + final.to(tl.int64) * slot_stride + chan + cols * col_stride,
+                         final_cols, mask=keep)

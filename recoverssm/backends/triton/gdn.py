@@ -1,0 +1,148 @@
+"""Gated DeltaNet recurrence kernel: verify, native decode and snapshot in one source.
+
+One program owns one (batch row, value head, BV-slice of V) state tile and walks the row's window
+token by token with the tile in fp32 registers. The three modes are ``constexpr`` switches of one
+kernel, and the per-token step is one ``@triton.jit`` helper, so verify's records hold exactly the
+``c_t`` the native paths compute (same reduction tree) and a commit of them is bit-identical.
+
+The tile is held as ``[K_CHUNKS, BV, K // K_CHUNKS]``: K is split into chunks that stay inside a
+thread, so each reduction over K is mostly in-thread adds and only a few lane shuffles.
+
+Kernels are compiled with ``enable_fp_fusion=False`` (see ``launch.py``): every fused multiply-add
+is an explicit ``tl.fma`` and no other multiply is contracted, which keeps the rounding order of
+contract section 2 on every compiler.
+"""
+import triton
+import triton.language as tl
+
+from .numerics import to_storage
+
+MODE_VERIFY = tl.constexpr(0)
+MODE_DECODE = tl.constexpr(1)
+MODE_SNAPSHOT = tl.constexpr(2)
+
+L2NORM_EPS = tl.constexpr(1e-6)
+SOFTPLUS_THRESHOLD = tl.constexpr(20.0)
+
+
+@triton.jit
+def sum_over_k(x):
+    """Sum a ``[K_CHUNKS, BV, K_INNER]`` tile over both K axes -> ``[BV]``."""
+    return tl.sum(tl.sum(x, axis=2), axis=0)
+
+
+@triton.jit
+def l2_normalize(x):
+    """``x / sqrt(sum(x^2) + eps)`` for a ``[K_CHUNKS, 1, K_INNER]`` vector (IEEE sqrt and divide)."""
+    norm = tl.sqrt_rn(tl.sum(tl.sum(x * x, axis=2), axis=0) + L2NORM_EPS)
+    return tl.div_rn(x, norm[None, :, None])
+
+
+@triton.jit
+def softplus(x):
+    """``x if x > 20 else log1p(exp(x))``, with log1p written out so tiny ``exp(x)`` keeps its digits."""
+    y = tl.exp(tl.minimum(x, SOFTPLUS_THRESHOLD))
+    one_plus = 1.0 + y
+    rounded_away = one_plus == 1.0
+    log1p = tl.where(rounded_away, y, tl.log(one_plus) * (y / tl.where(rounded_away, 1.0, one_plus - 1.0)))
+    return tl.where(x > SOFTPLUS_THRESHOLD, x, log1p)
+
+
+@triton.jit
+def delta_rule_step(S, k_hat, v, beta, decay):
+    """One token of the gated delta rule on a ``[K_CHUNKS, BV, K_INNER]`` fp32 state tile.
+
+    ``k_hat``: ``[K_CHUNKS, 1, K_INNER]``; ``v``: ``[BV]``; ``beta``, ``decay``: scalars.
+    Returns the new tile and the correction ``c_t`` ``[BV]`` (the replay record).
+    """
+    S = S * decay
+    predicted = sum_over_k(S * k_hat)
+    correction = beta * (v - predicted)
+    S = tl.fma(correction[None, :, None], k_hat, S)
+    return S, correction
+
+
+@triton.jit
+def gdn_recurrent_kernel(
+    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, out_ptr,
+    state_ptr, state_indices_ptr, qsl_ptr,
+    corr_ptr, key_ptr, decay_ptr, snapshot_ptr,
+    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
+    stride_a_t, stride_b_t, stride_o_t, stride_o_h,
+    stride_s_slot, stride_s_h, stride_s_v, stride_snap_row,
+    num_tokens, num_slots, null_slot, max_window, scale,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    K_PAD: tl.constexpr, K_CHUNKS: tl.constexpr, BV: tl.constexpr,
+    MODE: tl.constexpr, GATES_PRECOMPUTED: tl.constexpr, USE_L2NORM: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    hv = tl.program_id(1)
+    row = tl.program_id(2)
+    h = hv // (HV // H)
+    K_INNER: tl.constexpr = K_PAD // K_CHUNKS
+
+    # The row's tokens, clamped so that no index value can take a load out of bounds.
+    start = tl.maximum(tl.load(qsl_ptr + row), 0)
+    end = tl.minimum(tl.load(qsl_ptr + row + 1), num_tokens)
+    length = tl.minimum(tl.maximum(end - start, 0), max_window)
+    slot = tl.load(state_indices_ptr + row)
+    live = (slot > null_slot) & (slot < num_slots)
+
+    offs_v = i_v * BV + tl.arange(0, BV)
+    mask_v = offs_v < V
+    offs_k = (tl.arange(0, K_CHUNKS)[:, None, None] * K_INNER
+              + tl.arange(0, K_INNER)[None, None, :])          # [K_CHUNKS, 1, K_INNER]
+    mask_k = offs_k < K
+    tile = offs_v[None, :, None] * stride_s_v + offs_k          # [K_CHUNKS, BV, K_INNER]
+    mask_tile = mask_v[None, :, None] & mask_k
+
+    if live:
+        state_tile = state_ptr + slot.to(tl.int64) * stride_s_slot + hv * stride_s_h
+        S = tl.load(state_tile + tile, mask=mask_tile, other=0.0).to(tl.float32)
+        if not GATES_PRECOMPUTED:
+            neg_A = -tl.exp(tl.load(A_log_ptr + hv))
+            dt_bias = tl.load(dt_bias_ptr + hv)
+        for t in range(0, length):
+            tok = (start + t).to(tl.int64)
+            k_hat = tl.load(k_ptr + tok * stride_k_t + h * stride_k_h + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            q_hat = tl.load(q_ptr + tok * stride_q_t + h * stride_q_h + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            if USE_L2NORM:
+                k_hat = l2_normalize(k_hat)
+                q_hat = l2_normalize(q_hat) * scale
+            else:
+                q_hat = q_hat * scale
+            v_t = tl.load(v_ptr + tok * stride_v_t + hv * stride_v_h + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+            if GATES_PRECOMPUTED:
+                decay = tl.exp(tl.load(a_ptr + tok * stride_a_t + hv).to(tl.float32))
+                beta = tl.load(b_ptr + tok * stride_b_t + hv).to(tl.float32)
+            else:
+                x = tl.load(a_ptr + tok * stride_a_t + hv).to(tl.float32) + dt_bias
+                decay = tl.exp(neg_A * softplus(x))
+                b_t = tl.load(b_ptr + tok * stride_b_t + hv).to(tl.float32)
+                beta = 1.0 / (1.0 + tl.exp(-b_t))
+
+            S, correction = delta_rule_step(S, k_hat, v_t, beta, decay)
+
+            o_t = sum_over_k(S * q_hat)
+            tl.store(out_ptr + tok * stride_o_t + hv * stride_o_h + offs_v,
+                     o_t.to(out_ptr.dtype.element_ty), mask=mask_v)
+            if MODE == MODE_VERIFY:  # verify: replay records, by batch row and window position
+                rec = (row * HV + hv).to(tl.int64) * max_window + t
+                tl.store(corr_ptr + rec * V + offs_v, correction, mask=mask_v)
+                if i_v == 0:
+                    tl.store(decay_ptr + rec, decay)
+                    if hv % (HV // H) == 0:
+                        key_rec = (row * H + h).to(tl.int64) * max_window + t
+                        tl.store(key_ptr + key_rec * K + offs_k, k_hat, mask=mask_k)
+            if MODE == MODE_SNAPSHOT:  # snapshot: the state after every position gets its own slot
+                dst = tl.load(snapshot_ptr + row * stride_snap_row + t)
+                if (dst > null_slot) & (dst < num_slots):
+                    dst_tile = state_ptr + dst.to(tl.int64) * stride_s_slot + hv * stride_s_h
+                    tl.store(dst_tile + tile, to_storage(S, state_ptr.dtype.element_ty), mask=mask_tile)
+        if MODE == MODE_DECODE:  # native decode: the final state back into the row's slot
+            tl.store(state_tile + tile, to_storage(S, state_ptr.dtype.element_ty), mask=mask_tile)
+    else:
+        zeros = tl.zeros([BV], dtype=out_ptr.dtype.element_ty)
+        for t in range(0, tl.minimum(tl.maximum(end - start, 0), num_tokens)):
+            tok = (start + t).to(tl.int64)
+            tl.store(out_ptr + tok * stride_o_t + hv * stride_o_h + offs_v, zeros, mask=mask_v)

@@ -1,0 +1,262 @@
+"""Python launchers of the shared Triton kernels: tensors and scalars in, named tensors written.
+
+Both GPU backends call these with their own :class:`LaunchConfig` table; nothing here allocates
+device memory except the commit tables (once per commit context, and the tiny per-group table
+when a step brings new index tensors).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+import triton
+
+from ...core.backend import CommitLayer, Committer, GateInputs, GroupStep
+from ...core.pointers import PointerEncoding
+from . import commit as commit_kernels
+from .commit import grouped_commit_kernel, plan_commit_kernel
+from .conv import conv_verify_kernel
+from .gdn import MODE_DECODE, MODE_SNAPSHOT, MODE_VERIFY, gdn_recurrent_kernel
+
+MODES = {"verify": MODE_VERIFY.value, "decode": MODE_DECODE.value, "snapshot": MODE_SNAPSHOT.value}
+INT32_MAX = 2**31 - 1
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tile shapes and warps for one backend (one row of a backend's launch table).
+
+    ``gdn_block_v``: V rows per recurrence program; ``gdn_k_chunks``: K chunks kept in-thread;
+    ``commit_block_v``: V rows per commit program; ``conv_block``: channels per conv program.
+    ``compile_options``: extra options for every launch (e.g. ``grf_mode`` on Intel GPUs).
+    """
+
+    gdn_block_v: int = 32
+    gdn_k_chunks: int = 8
+    gdn_warps: int = 4
+    commit_block_v: int = 32
+    commit_warps: int = 4
+    conv_block: int = 128
+    conv_warps: int = 4
+    plan_block: int = 128
+    compile_options: dict = field(default_factory=dict)
+
+    def options(self, num_warps: int) -> dict:
+        # enable_fp_fusion=False: no multiply-add is contracted behind our back; every fused
+        # multiply-add of the contract is an explicit tl.fma (bit-identity depends on it).
+        return dict(num_warps=num_warps, enable_fp_fusion=False, **self.compile_options)
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def conv_verify(cfg: LaunchConfig, x, conv_state, weight, bias, state_indices, query_start_loc,
+                silu, null_slot, out) -> None:
+    dim = x.shape[1]
+    width = weight.shape[1]
+    window = conv_state.shape[2] - (width - 1)
+    B = state_indices.shape[0]
+    if B == 0 or x.shape[0] == 0:
+        return
+    grid = (triton.cdiv(dim, cfg.conv_block), B)
+    conv_verify_kernel[grid](
+        x, conv_state, weight, bias if bias is not None else weight, out, state_indices, query_start_loc,
+        x.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
+        weight.stride(0), weight.stride(1), out.stride(0),
+        dim, x.shape[0], conv_state.shape[0], null_slot, window,
+        WIDTH=width, BD=cfg.conv_block, HAS_BIAS=bias is not None, SILU=bool(silu),
+        **cfg.options(cfg.conv_warps))
+
+
+def gdn_recurrent(cfg: LaunchConfig, mode: str, q, k, v, state, state_indices, query_start_loc,
+                  gates: GateInputs, scale: float, use_qk_l2norm: bool, null_slot: int, out,
+                  records, snapshot_slots) -> None:
+    T, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    B = state_indices.shape[0]
+    if B == 0 or T == 0:
+        return
+    K_PAD = _pow2(K)
+    k_chunks = min(cfg.gdn_k_chunks, K_PAD)
+    block_v = min(cfg.gdn_block_v, _pow2(V))
+    if mode == "verify":
+        corr, key, decay = records
+        max_window = corr.shape[2]
+    else:
+        corr = key = decay = out           # unused by these modes; any valid pointer will do
+        max_window = snapshot_slots.shape[1] if mode == "snapshot" else INT32_MAX
+    snap = snapshot_slots if snapshot_slots is not None else state_indices
+    if gates.precomputed:
+        a, b, A_log, dt_bias = gates.g, gates.beta, gates.g, gates.g
+    else:
+        a, b, A_log, dt_bias = gates.a, gates.b, gates.A_log, gates.dt_bias
+    grid = (triton.cdiv(V, block_v), HV, B)
+    gdn_recurrent_kernel[grid](
+        q, k, v, a, b, A_log, dt_bias, out, state, state_indices, query_start_loc,
+        corr, key, decay, snap,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        a.stride(0), b.stride(0), out.stride(0), out.stride(1),
+        state.stride(0), state.stride(1), state.stride(2), snap.stride(0),
+        T, state.shape[0], null_slot, max_window, scale,
+        H=H, HV=HV, K=K, V=V, K_PAD=K_PAD, K_CHUNKS=k_chunks, BV=block_v,
+        MODE=MODES[mode], GATES_PRECOMPUTED=gates.precomputed, USE_L2NORM=bool(use_qk_l2norm),
+        **cfg.options(cfg.gdn_warps))
+
+
+def plan_commit(cfg: LaunchConfig, num_accepted, state_indices, query_start_loc, request_indices,
+                block_table, num_computed_tokens, block_size, null_slot, num_slots, out) -> None:
+    B = state_indices.shape[0]
+    if B == 0:
+        return
+    commit_len, final, boundary, boundary_len = out
+    align = block_table is not None
+    plan_commit_kernel[(triton.cdiv(B, cfg.plan_block),)](
+        num_accepted, query_start_loc, state_indices,
+        request_indices if request_indices is not None else state_indices,
+        block_table if align else state_indices,
+        num_computed_tokens if align else state_indices,
+        commit_len, final, boundary, boundary_len,
+        B, int(request_indices is not None), int(align),
+        block_table.stride(0) if align else 0, block_table.shape[1] if align else 1,
+        block_size if align else 1, num_accepted.shape[0], null_slot, min(num_slots, INT32_MAX),
+        INT32_MAX, BLOCK=cfg.plan_block, **cfg.options(4))
+
+
+_TORCH_TO_TRITON = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+class TritonCommitter(Committer):
+    """Grouped commit in one launch through device pointer tables.
+
+    The per-layer table (pointers and strides of state, records and conv state) is built and
+    uploaded once, here. The per-group table points at the step's index tensors; it is cached by
+    those tensors' addresses, so an engine that reuses persistent index buffers (as it must under
+    CUDA graphs) uploads it once and then launches nothing but the commit kernel.
+    """
+
+    def __init__(self, cfg: LaunchConfig, encoding: PointerEncoding, device_guard,
+                 layers: Sequence[CommitLayer], num_groups: int, max_batch: int, null_slot: int):
+        self.cfg = cfg
+        self.device_guard = device_guard
+        self.encoding = encoding
+        self.null_slot = null_slot
+        self.num_groups = num_groups
+        first = layers[0]
+        self.H, self.HV = first.key.shape[1], first.correction.shape[1]
+        self.K, self.V = first.key.shape[3], first.correction.shape[3]
+        self.device = first.state.device
+        for i, layer in enumerate(layers):
+            dims = (layer.key.shape[1], layer.correction.shape[1], layer.key.shape[3], layer.correction.shape[3])
+            if dims != (self.H, self.HV, self.K, self.V):
+                raise ValueError(f"CommitContext: layer {i} has (H, HV, K, V) = {dims}; the Triton commit "
+                                 f"needs every layer alike, layer 0 has {(self.H, self.HV, self.K, self.V)}")
+            if layer.state.dtype != first.state.dtype:
+                raise ValueError(f"CommitContext: layer {i} state is {layer.state.dtype}, layer 0 is "
+                                 f"{first.state.dtype}; the Triton commit needs one state dtype")
+            if layer.decay.dim() != 3:
+                raise ValueError(f"CommitContext: layer {i} records a vector decay; the Triton commit "
+                                 "supports the scalar decay (GDN) only")
+        conv_layers = [l for l in layers if l.conv_state is not None]
+        conv_dtypes = {l.conv_state.dtype for l in conv_layers}
+        if len(conv_dtypes) > 1:
+            raise ValueError(f"CommitContext: conv states have several dtypes {sorted(map(str, conv_dtypes))}; "
+                             "the Triton commit needs one")
+        self.state_dtype = _TORCH_TO_TRITON[first.state.dtype]
+        self.conv_dtype = _TORCH_TO_TRITON[conv_dtypes.pop()] if conv_dtypes else "fp32"
+        self.conv_cols = _pow2(max((l.conv_history for l in conv_layers), default=1))
+        self.conv_blocks = max((triton.cdiv(l.conv_state.shape[1], cfg.conv_block) for l in conv_layers), default=0)
+        self.num_layers = len(layers)
+        self.aligned = all(_vector_aligned(l) for l in layers)
+        self._keepalive = list(layers)
+        rows = []
+        for layer in layers:
+            st, cs = layer.state, layer.conv_state
+            rows.append([
+                st.data_ptr(), st.stride(0), st.stride(1), st.stride(2), st.shape[0],
+                layer.correction.data_ptr(), layer.key.data_ptr(), layer.decay.data_ptr(),
+                layer.correction.shape[2],
+                cs.data_ptr() if cs is not None else 0,
+                cs.stride(0) if cs is not None else 0, cs.stride(1) if cs is not None else 0,
+                cs.stride(2) if cs is not None else 0, cs.shape[1] if cs is not None else 0,
+                layer.conv_history, layer.group])
+        self.layer_table = self._upload(rows, (commit_kernels.LAYER_FIELDS.value,), pointer_columns=commit_kernels.LAYER_POINTER_COLUMNS)
+        self._group_key = None
+        self._group_table = None
+
+    def _upload(self, rows, shape, pointer_columns) -> torch.Tensor:
+        """Encode a table on the host (pointer columns with the backend's encoding) and copy it over."""
+        flat = []
+        for r in rows:
+            for j, v in enumerate(r):
+                flat.append((j in pointer_columns, int(v)))
+        pointers = self.encoding.encode([v for is_ptr, v in flat if is_ptr])
+        plain = torch.tensor([v for is_ptr, v in flat if not is_ptr], dtype=torch.int64)
+        table = torch.empty(len(flat), dtype=torch.int64)
+        is_ptr = torch.tensor([p for p, _ in flat], dtype=torch.bool)
+        table[is_ptr] = pointers
+        table[~is_ptr] = plain
+        table = table.view(len(rows), *shape)
+        if self.device.type == "cpu":
+            return table
+        return table.pin_memory().to(self.device, non_blocking=True)
+
+    def _group_table_for(self, groups: Sequence[GroupStep]) -> torch.Tensor:
+        rows = []
+        for g in groups:
+            bt = g.block_table
+            rows.append([
+                g.state_indices.data_ptr(),
+                g.request_indices.data_ptr() if g.request_indices is not None else 0,
+                bt.data_ptr() if bt is not None else 0,
+                bt.stride(0) if bt is not None else 0,
+                bt.shape[1] if bt is not None else 1,
+                g.num_computed_tokens.data_ptr() if bt is not None else 0,
+                g.block_size if bt is not None else 1])
+        key = tuple(map(tuple, rows))
+        if key != self._group_key:
+            self._group_table = self._upload(rows, (commit_kernels.GROUP_FIELDS.value,), pointer_columns=commit_kernels.GROUP_POINTER_COLUMNS)
+            self._group_key = key
+        return self._group_table
+
+    def commit(self, num_accepted, query_start_loc, groups: Sequence[GroupStep]) -> None:
+        B = groups[0].state_indices.shape[0]
+        if B == 0:
+            return
+        with self.device_guard(self.device):
+            self._launch(num_accepted, query_start_loc, self._group_table_for(groups), B)
+
+    def _launch(self, num_accepted, query_start_loc, group_table, B):
+        cfg = self.cfg
+        block_v = min(cfg.commit_block_v, _pow2(self.V))
+        items = self.HV * triton.cdiv(self.V, block_v) + self.conv_blocks
+        grouped_commit_kernel[(items, B, self.num_layers)](
+            self.layer_table, group_table, num_accepted, query_start_loc,
+            num_accepted.shape[0], self.null_slot,
+            H=self.H, HV=self.HV, K=self.K, V=self.V, K_PAD=_pow2(self.K), BV=block_v,
+            BD=cfg.conv_block, CONV_COLS=self.conv_cols,
+            STATE_DTYPE=_dtype(self.state_dtype), CONV_DTYPE=_dtype(self.conv_dtype),
+            ALIGNED=self.aligned,
+            **cfg.options(cfg.commit_warps))
+
+
+def _vector_aligned(layer: CommitLayer) -> bool:
+    """True when every row of every state and record tile starts on a 16-byte boundary, so the
+    commit kernel may use 16-byte vector accesses (it is told so through ``tl.multiple_of``)."""
+    st = layer.state
+    vec = 16 // st.element_size()
+    return (st.data_ptr() % 16 == 0 and all(s % vec == 0 for s in st.stride()[:3])
+            and all(t.data_ptr() % 16 == 0 for t in (layer.correction, layer.key))
+            and layer.correction.shape[3] % 4 == 0 and layer.key.shape[3] % 4 == 0)
+
+
+def _dtype(name: str):
+    import triton.language as tl
+    return {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16}[name]
