@@ -1,0 +1,36 @@
+"""One representative align-mode grouped commit (conv compaction included) and one verify, for
+``compute-sanitizer --tool memcheck`` and ``--tool racecheck`` (see docs/TESTING.md).
+
+    compute-sanitizer --tool memcheck python benchmarks/sanitize_case.py
+    compute-sanitizer --tool racecheck python benchmarks/sanitize_case.py
+"""
+import torch
+
+import recoverssm as rs
+from recoverssm.bench.problems import align_step, window
+
+
+def main() -> None:
+    H, HV, K, V, T, R = 16, 32, 128, 128, 4, 6
+    w = window(R, T, H, HV, K, V, extra_slots=4)
+    conv_in = torch.randn(R * T, 64, device="cuda")
+    conv_state = torch.randn(R * 3, 64, 3 + T, device="cuda")
+    weight = torch.randn(64, 4, device="cuda")
+    step = align_step(R, T, block_size=4)
+    rs.conv_verify(conv_in, conv_state, weight, None, state_indices=step.state_indices,
+                   query_start_loc=step.query_start_loc)
+    w.state_indices.copy_(step.state_indices)
+    state = torch.randn(step.num_slots, HV, V, K, device="cuda")
+    rs.gdn_verify(w.q, w.k, w.v, state=state, state_indices=w.state_indices,
+                  query_start_loc=w.query_start_loc, records=w.records, **w.gates())
+    ctx = rs.CommitContext([[rs.LayerCache(state, w.records, conv_state)],
+                            [rs.LayerCache(state.clone(), w.records)]], max_batch=R)
+    ctx.commit(step.num_accepted, step.state_indices, step.query_start_loc,
+               block_table=step.block_table, num_computed_tokens=step.num_computed_tokens,
+               block_size=step.block_size, check=True)
+    torch.cuda.synchronize()
+    print("sanitize case ran: conv_verify, gdn_verify, grouped align commit with conv compaction")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""``recoverssm bench``: the GPU benchmark behind docs/BENCHMARKS.md.
+
+One run times every case with CUDA events (median of many calls after warm-up, inputs rotated so
+they are not served from L2), and compares each with a device-to-device copy of the same traffic
+(bytes read + bytes written). It prints one table, and writes ``bench.json`` and ``bench.png``.
+
+    recoverssm bench [--out DIR] [--quick] [--no-fla]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Optional, Sequence
+
+import torch
+
+from . import suites
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="recoverssm bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench_out", help="folder for bench.json and bench.png")
+    ap.add_argument("--quick", action="store_true", help="fewer shapes (a smoke run)")
+    ap.add_argument("--no-fla", action="store_true", help="skip flash-linear-attention even if installed")
+    ap.add_argument("--only", default="", help="comma-separated suites: commit,verify,graph,host,memory")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("recoverssm bench needs a CUDA GPU (it times the cuda backend's kernels)", file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    results = suites.run_all(quick=args.quick, fla=not args.no_fla,
+                             only=[s for s in args.only.split(",") if s])
+    with open(os.path.join(args.out, "bench.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    print(suites.render(results))
+    try:
+        suites.plot(results, os.path.join(args.out, "bench.png"))
+    except ImportError as exc:
+        print(f"(no plot: {exc})")
+    return 0

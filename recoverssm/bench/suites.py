@@ -1,0 +1,273 @@
+"""The benchmark cases (issue: benchmarks and speed targets on the H200)."""
+from __future__ import annotations
+
+import datetime
+import subprocess
+from typing import Callable
+
+import torch
+
+import recoverssm as rs
+
+from .problems import align_step, commit_context, window
+from .timing import CopyCeiling, Progress, copies_for, host_us, kernel_launches, median_us
+
+H, K, V = 16, 128, 128
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except Exception:  # noqa: BLE001 - not a checkout
+        return "unknown"
+
+
+def _state_bytes(N: int, HV: int, dtype=torch.float32) -> int:
+    return N * HV * V * K * torch.tensor([], dtype=dtype).element_size()
+
+
+def _row(kind: str, case: str, us: float, traffic: int, ceiling: CopyCeiling, **extra) -> dict:
+    copy_us = ceiling.us(traffic)
+    return dict(kind=kind, case=case, us=round(us, 2), traffic_bytes=traffic,
+                tbps=round(traffic / us / 1e6, 3), copy_us=round(copy_us, 2),
+                copy_tbps=round(traffic / copy_us / 1e6, 3), vs_copy=round(copy_us / us, 3), **extra)
+
+
+def bench_commit(ceiling: CopyCeiling, quick: bool, progress: Progress) -> list[dict]:
+    rows = []
+    configs = [("12 layers x 8 req x 48 heads fp32 align", 1, 12, 8, 48, torch.float32)]
+    if not quick:
+        configs += [("3 groups x 6 layers, 8 req, bf16 align", 3, 6, 8, 48, torch.bfloat16),
+                    ("3 groups x 6 layers, 64 req, bf16 align", 3, 6, 64, 48, torch.bfloat16),
+                    ("3 groups x 6 layers, 64 req, fp32 align", 3, 6, 64, 48, torch.float32)]
+    T = 4
+    for name, G, L, R, HV, dtype in configs:
+        step = align_step(R, T)
+        ctx, caches = commit_context(G, L, R, T, H, HV, K, V, step.num_slots, dtype)
+        kw = dict(block_table=step.block_table, num_computed_tokens=step.num_computed_tokens,
+                  block_size=step.block_size)
+        call = lambda: ctx.commit(step.num_accepted, step.state_indices, step.query_start_loc, **kw)  # noqa: E731
+        us = median_us([call], iters=60)
+        layers = G * L
+        accepted = step.num_accepted.sum().item()
+        state = _state_bytes(1, HV, dtype)
+        traffic = layers * (state * (2 * R + step.boundaries)
+                            + accepted * (HV * V + H * K + HV) * 4)
+        launches, names = kernel_launches(call)
+        rows.append(_row("commit", name, us, traffic, ceiling, layers=layers, requests=R,
+                         boundary_rows=step.boundaries, launches=launches))
+        progress.step(name)
+        del ctx, caches
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _fla_call(w, fla_fn) -> Callable[[], object]:
+    N, T = w.N, w.T
+    q4, k4 = w.q.view(N, T, H, K), w.k.view(N, T, H, K)
+    v4 = w.v.view(N, T, -1, V)
+    a4, b4 = w.a.view(N, T, -1), w.b.view(N, T, -1)
+    state = w.state[:N]
+
+    def call():
+        return fla_fn(q4, k4, v4, g=a4, beta=b4, initial_state=state, output_final_state=False,
+                      use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=w.A_log,
+                      dt_bias=w.dt_bias, use_beta_sigmoid_in_kernel=True, state_v_first=True)
+    return call
+
+
+def bench_verify(ceiling: CopyCeiling, quick: bool, fla: bool, progress: Progress) -> list[dict]:
+    fla_fn = None
+    if fla:
+        try:
+            from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_fn
+        except ImportError:
+            fla_fn = None
+    rows = []
+    Ns = [1, 8, 64, 256] if not quick else [8, 64]
+    for HV in ([32, 48] if not quick else [48]):
+        for T in [2, 4, 8]:
+            for N in Ns:
+                state = _state_bytes(N, HV)
+                copies = copies_for(state)
+                wins = [window(N, T, H, HV, K, V, extra_slots=N * T, seed=i) for i in range(copies)]
+                case = f"N={N} T={T} HV={HV}"
+                t_verify = median_us([w.verify for w in wins])
+                rows.append(_row("verify", case, t_verify, state, ceiling, N=N, T=T, HV=HV,
+                                 note="traffic = state bytes read"))
+                snap = [torch.arange(N * T, dtype=torch.int32, device="cuda").view(N, T) + N for _ in wins]
+                snap_calls = [lambda w=w, s=s: rs.gdn_spec_decode_snapshot(
+                    w.q, w.k, w.v, state=w.state, state_indices=w.state_indices,
+                    query_start_loc=w.query_start_loc, snapshot_slots=s, backend="cuda", **w.gates())
+                    for w, s in zip(wins, snap)]
+                t_snap = median_us(snap_calls)
+                rows.append(_row("snapshot", case, t_snap, state * (1 + T), ceiling, N=N, T=T, HV=HV))
+                accepted = torch.tensor([1 + (r * 7) % T for r in range(N)], dtype=torch.int32, device="cuda")
+                ctxs = [rs.CommitContext([[rs.LayerCache(w.state, w.records)]], max_batch=N, backend="cuda")
+                        for w in wins]
+                commit_calls = [lambda w=w, c=c: c.commit(accepted, w.state_indices, w.query_start_loc)
+                                for w, c in zip(wins, ctxs)]
+                t_commit = median_us(commit_calls)
+                step_calls = [lambda w=w, c=c: (w.verify(), c.commit(accepted, w.state_indices, w.query_start_loc))
+                              for w, c in zip(wins, ctxs)]
+                t_step = median_us(step_calls)
+                rows.append(dict(kind="spec_step", case=case, N=N, T=T, HV=HV, us=round(t_step, 2),
+                                 verify_us=round(t_verify, 2), commit_us=round(t_commit, 2),
+                                 snapshot_us=round(t_snap, 2), speedup_vs_snapshot=round(t_snap / t_step, 3)))
+                if fla_fn is not None:
+                    try:
+                        t_fla = median_us([_fla_call(w, fla_fn) for w in wins])
+                        rows.append(_row("fla", case, t_fla, state, ceiling, N=N, T=T, HV=HV,
+                                         verify_speedup=round(t_fla / t_verify, 3)))
+                    except Exception as exc:  # noqa: BLE001 - report, keep benchmarking
+                        rows.append(dict(kind="fla", case=case, error=f"{type(exc).__name__}: {exc}"[:300]))
+                        fla_fn = None
+                progress.step(case)
+                del wins, ctxs
+                torch.cuda.empty_cache()
+    return rows
+
+
+def bench_graph(ceiling: CopyCeiling, progress: Progress) -> list[dict]:
+    """Verify + commit of one layer captured in a CUDA graph, N = 1 and 8, T = 4."""
+    rows = []
+    T, HV = 4, 48
+    s = torch.cuda.Stream()
+    # Launch cost: a graph of two tiny kernels (what verify + commit cost beyond their bytes).
+    tiny = torch.zeros(32, device="cuda")
+    with torch.cuda.stream(s):
+        tiny.add_(1)
+        tiny.mul_(1)
+    torch.cuda.synchronize()
+    g0 = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g0):
+        tiny.add_(1)
+        tiny.mul_(1)
+    launch_us = median_us([g0.replay], iters=100)
+    for N in (1, 8):
+        state = _state_bytes(N, HV)
+        graphs = []
+        keep = []
+        for i in range(copies_for(2 * state)):
+            w = window(N, T, H, HV, K, V, seed=i)
+            ctx = rs.CommitContext([[rs.LayerCache(w.state, w.records)]], max_batch=N, backend="cuda")
+            acc = torch.full((N,), 3, dtype=torch.int32, device="cuda")
+            step = lambda w=w, ctx=ctx, acc=acc: (w.verify(), ctx.commit(acc, w.state_indices, w.query_start_loc))  # noqa: E731
+            with torch.cuda.stream(s):
+                step()
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                step()
+            graphs.append(g)
+            keep.append((w, ctx, acc))
+        t = median_us([g.replay for g in graphs], iters=100)
+        floor = ceiling.us(2 * state) + launch_us
+        rows.append(dict(kind="graph_step", case=f"N={N} T={T} HV={HV}", N=N, us=round(t, 2),
+                         floor_us=round(floor, 2), launch_us=round(launch_us, 2),
+                         copy_rw_us=round(ceiling.us(2 * state), 2), ratio_to_floor=round(t / floor, 3)))
+        progress.step(f"graph N={N}")
+    return rows
+
+
+def bench_host(progress: Progress) -> list[dict]:
+    """Host time of one commit call (3 groups x 6 layers) and one verify call, and launches."""
+    T, R = 4, 8
+    step = align_step(R, T)
+    ctx, caches = commit_context(3, 6, R, T, H, 48, K, V, step.num_slots)
+    kw = dict(block_table=[step.block_table] * 3, num_computed_tokens=[step.num_computed_tokens] * 3,
+              block_size=step.block_size)
+    commit = lambda: ctx.commit(step.num_accepted, [step.state_indices] * 3, step.query_start_loc, **kw)  # noqa: E731
+    w = window(R, T, H, 48, K, V)
+    rows = [dict(kind="host", case="CommitContext.commit, 3 groups x 6 layers", us=round(host_us(commit), 2),
+                 launches=kernel_launches(commit)[0]),
+            dict(kind="host", case="gdn_verify, 1 layer", us=round(host_us(w.verify), 2),
+                 launches=kernel_launches(w.verify)[0])]
+    progress.step("host")
+    return rows
+
+
+def bench_memory() -> list[dict]:
+    rows = []
+    for HV in (32, 48):
+        for T in (2, 4, 8):
+            state = HV * V * K * 4
+            records = T * (HV * V + H * K + HV) * 4
+            rows.append(dict(kind="memory", case=f"T={T} HV={HV} fp32", snapshot_bytes=state * T,
+                             recoverssm_bytes=state + records, ratio=round(state * T / (state + records), 3),
+                             records_pct_of_state=round(100 * records / state, 2)))
+    return rows
+
+
+def run_all(quick: bool = False, fla: bool = True, only: list[str] = ()) -> dict:
+    torch.manual_seed(0)
+    ceiling = CopyCeiling("cuda")
+    want = lambda s: not only or s in only  # noqa: E731
+    n_verify = (2 if quick else 2 * 3 * 4) if want("verify") else 0
+    progress = Progress((1 if quick else 4) * want("commit") + n_verify + 2 * want("graph") + want("host"))
+    props = torch.cuda.get_device_properties(0)
+    result = dict(date=datetime.date.today().isoformat(), commit=_git_commit(), gpu=props.name,
+                  torch=torch.__version__, triton=__import__("triton").__version__,
+                  copy_tbps_1GiB=round(ceiling.tbps(2**30), 3), rows=[])
+    if want("commit"):
+        result["rows"] += bench_commit(ceiling, quick, progress)
+    if want("verify"):
+        result["rows"] += bench_verify(ceiling, quick, fla, progress)
+    if want("graph"):
+        result["rows"] += bench_graph(ceiling, progress)
+    if want("host"):
+        result["rows"] += bench_host(progress)
+    if want("memory"):
+        result["rows"] += bench_memory()
+    return result
+
+
+def render(results: dict) -> str:
+    lines = [f"recoverssm bench  {results['date']}  commit {results['commit']}  {results['gpu']}  "
+             f"torch {results['torch']}  triton {results['triton']}  copy {results['copy_tbps_1GiB']} TB/s (1 GiB)"]
+    fmt = "{:<10} {:<44} {:>10} {:>9} {:>9} {:>8}  {}"
+    lines.append(fmt.format("kind", "case", "us", "TB/s", "copy TB/s", "vs copy", "notes"))
+    for r in results["rows"]:
+        if "error" in r:
+            lines.append(fmt.format(r["kind"], r["case"], "-", "-", "-", "-", r["error"][:80]))
+            continue
+        notes = []
+        for key in ("launches", "verify_speedup", "speedup_vs_snapshot", "verify_us", "commit_us",
+                    "snapshot_us", "ratio_to_floor", "floor_us", "ratio", "records_pct_of_state"):
+            if key in r:
+                notes.append(f"{key}={r[key]}")
+        if r["kind"] == "memory":
+            lines.append(fmt.format(r["kind"], r["case"], "-", "-", "-", "-",
+                                    f"snapshot {r['snapshot_bytes']} B vs {r['recoverssm_bytes']} B; " + " ".join(notes)))
+            continue
+        lines.append(fmt.format(r["kind"], r["case"], r.get("us", "-"), r.get("tbps", "-"),
+                                r.get("copy_tbps", "-"), r.get("vs_copy", "-"), " ".join(notes)))
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5), sharey=True)
+    for ax, T in zip(axes, (2, 4, 8)):
+        for kind, style in (("verify", "o-"), ("snapshot", "s-"), ("fla", "^--")):
+            pts = sorted((r["N"], r["tbps"]) for r in results["rows"]
+                         if r.get("kind") == kind and r.get("T") == T and r.get("HV") == 48 and "tbps" in r)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=kind)
+        ax.axhline(results["copy_tbps_1GiB"], color="k", lw=1, ls=":", label="device copy")
+        commits = [r for r in results["rows"] if r.get("kind") == "commit"]
+        for r in commits:
+            ax.plot([r["requests"]], [r["tbps"]], "D", label=f"commit {r['case'][:22]}")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"T = {T}, HV = 48 (state fp32)")
+        ax.set_xlabel("batch rows N")
+    axes[0].set_ylabel("TB/s (bytes read + written)")
+    axes[-1].legend(fontsize=7, loc="lower right")
+    fig.suptitle(f"recoverssm on {results['gpu']} ({results['date']}, {results['commit']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -1,0 +1,100 @@
+"""Device timing: CUDA events around each call, medians, rotated inputs, the copy ceiling."""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from typing import Callable, Sequence
+
+import torch
+
+L2_FLUSH_BYTES = 4 * 60 * 2**20   # four times the H200's L2: rotated input sets exceed it
+
+
+def copies_for(nbytes: int, minimum: int = 1, maximum: int = 16) -> int:
+    """How many input sets to rotate so the working set is not served from L2."""
+    return max(minimum, min(maximum, -(-L2_FLUSH_BYTES // max(nbytes, 1))))
+
+
+def median_us(calls: Sequence[Callable[[], object]], warmup: int = 5, iters: int = 40) -> float:
+    """Median device time of one call in microseconds; call ``i`` runs ``calls[i % len(calls)]``."""
+    for i in range(warmup):
+        calls[i % len(calls)]()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for i in range(iters):
+        starts[i].record()
+        calls[i % len(calls)]()
+        ends[i].record()
+    torch.cuda.synchronize()   # surfaces any asynchronous CUDA error from the calls
+    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
+
+
+class CopyCeiling:
+    """Device-to-device copy time of a given traffic (bytes read + bytes written), memoised."""
+
+    def __init__(self, device):
+        self.device = device
+        self._cache: dict[int, float] = {}
+
+    def us(self, traffic_bytes: int) -> float:
+        half = max(traffic_bytes // 2 // 4 * 4, 4)
+        if half not in self._cache:
+            n = copies_for(2 * half)
+            srcs = [torch.randn(half // 4, device=self.device) for _ in range(n)]
+            dsts = [torch.empty_like(s) for s in srcs]
+            calls = [lambda s=s, d=d: d.copy_(s) for s, d in zip(srcs, dsts)]
+            self._cache[half] = median_us(calls, iters=60)
+            del srcs, dsts
+        return self._cache[half]
+
+    def tbps(self, traffic_bytes: int) -> float:
+        return traffic_bytes / self.us(traffic_bytes) / 1e6
+
+
+def host_us(call: Callable[[], object], iters: int = 200) -> float:
+    """Median host (CPU) time of one call: Python, validation and launch, not device time."""
+    for _ in range(10):
+        call()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def kernel_launches(call: Callable[[], object]) -> tuple[int, list[str]]:
+    """Kernels launched by one call, counted with torch.profiler (after a warm-up call)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+             and not e.name.startswith(("Memcpy", "Memset", "cudaMemcpy"))]
+    return len(names), names
+
+
+class Progress:
+    """A one-line progress bar on stderr (silent when stderr is not a terminal)."""
+
+    def __init__(self, total: int, label: str = "bench"):
+        self.total, self.done, self.label = total, 0, label
+        self.live = sys.stderr.isatty()
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        if self.live:
+            width = 30
+            filled = int(width * self.done / self.total)
+            sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] "
+                             f"{self.done}/{self.total} {what[:40]:40s}")
+            sys.stderr.flush()
+            if self.done == self.total:
+                sys.stderr.write("\n")
