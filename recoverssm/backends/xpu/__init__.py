@@ -1,1 +1,1 @@
-"""placeholder"""
+"""The ``xpu`` backend: the shared Triton kernels (``recoverssm/backends/triton``) on Intel GPUs."""
