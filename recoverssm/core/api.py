@@ -77,7 +77,7 @@ def conv_verify(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
         c.query_start_loc("query_start_loc", query_start_loc, T, window)
     be = _resolve(backend, x.device)
     if out is None:
-        out = torch.zeros_like(x)
+        out = torch.empty_like(x)
     be.conv_verify(x, conv_state, weight, bias, state_indices, query_start_loc,
                    CONV_ACTIVATIONS[activation], null_slot, out)
     return out
@@ -139,6 +139,8 @@ def _check_records(c: Checker, records, dims):
     T, H, HV, K, V, B = dims
     if not isinstance(records, ReplayRecords):
         c.fail("records", f"must be a ReplayRecords, got {type(records).__name__}", TypeError)
+    for name in ("correction", "key", "decay"):     # ranks first: the shapes below index them
+        c.tensor(f"records.{name}", getattr(records, name), dims=None if name == "decay" else 4)
     if records.vector_decay:
         c.fail("records", "hold a vector decay (KDA); GDN verify records a scalar decay per head")
     mb, tm = records.max_batch, records.max_window
@@ -150,7 +152,9 @@ def _check_records(c: Checker, records, dims):
 
 
 def _finish_out(out, v):
-    return torch.zeros(v.shape, dtype=v.dtype, device=v.device) if out is None else out
+    # Every token of every row is written (padding rows with zeros), so no fill is needed; tokens
+    # outside all rows (past query_start_loc[-1]) are left unwritten.
+    return torch.empty(v.shape, dtype=v.dtype, device=v.device) if out is None else out
 
 
 def gdn_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, state: torch.Tensor,
@@ -185,16 +189,25 @@ def gdn_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, state: torc
     return out
 
 
-def _written_slots_distinct(c: Checker, name: str, writes: list[tuple[int, int]], sources: dict[int, int]):
-    """Refuse two writes to one slot, or a write to a slot another row reads (a race on a GPU)."""
+def _written_slots_distinct(c: Checker, name: str, writes: list[tuple[int, int]], sources):
+    """Refuse two writes to one slot, or a write to a slot another row reads (a race on a GPU).
+
+    ``sources``: the ``(row, slot)`` pairs the rows read (several rows may read one slot), or a
+    ``{slot: row}`` dict."""
+    if isinstance(sources, dict):
+        sources = [(row, slot) for slot, row in sources.items()]
+    readers: dict[int, list[int]] = {}
+    for row, slot in sources:
+        readers.setdefault(slot, []).append(row)
     seen: dict[int, int] = {}
     for row, slot in writes:
         if slot in seen and seen[slot] != row:
             c.fail(name, f"sends rows {seen[slot]} and {row} to the same slot {slot}")
         seen[slot] = row
     for row, slot in writes:
-        if slot in sources and sources[slot] != row:
-            c.fail(name, f"makes row {row} write slot {slot}, which row {sources[slot]} reads")
+        others = [r for r in readers.get(slot, ()) if r != row]
+        if others:
+            c.fail(name, f"makes row {row} write slot {slot}, which row {others[0]} reads")
 
 
 def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, state: torch.Tensor,
@@ -260,7 +273,7 @@ def gdn_spec_decode_snapshot(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         snaps = snapshot_slots.tolist()
         live = [r for r in range(B) if srcs[r] > null_slot and qsl[r + 1] > qsl[r]]
         writes = [(r, s) for r in live for s in snaps[r][:qsl[r + 1] - qsl[r]] if s > null_slot]
-        _written_slots_distinct(c, "snapshot_slots", writes, {srcs[r]: r for r in live})
+        _written_slots_distinct(c, "snapshot_slots", writes, [(r, srcs[r]) for r in live])
     be = _resolve(backend, q.device)
     out = _finish_out(out, v)
     be.gdn_recurrent("snapshot", q, k, v, state, state_indices, query_start_loc, gates, scale,

@@ -41,6 +41,7 @@ class Registry:
         self.pm.add_hookspecs(hookspecs)
         self._load_entry_points = load_entry_points
         self._backends: Optional[dict[str, Backend]] = None
+        self._resolved: dict[tuple, tuple[Backend, str]] = {}
         self._lock = threading.Lock()
 
     # ---- plugin loading -----------------------------------------------------------------------
@@ -81,11 +82,13 @@ class Registry:
         with self._lock:
             self.pm.register(plugin, name=name)
             self._backends = None
+            self._resolved.clear()
 
     def unregister(self, name: str) -> None:
         with self._lock:
             self.pm.unregister(name=name)
             self._backends = None
+            self._resolved.clear()
 
     # ---- queries --------------------------------------------------------------------------------
     def available_backends(self) -> list[str]:
@@ -108,8 +111,24 @@ class Registry:
 
     def resolve(self, backend: Union[str, Backend, None] = None,
                 device: Union[torch.device, str, None] = None) -> tuple[Backend, str]:
-        """Return ``(backend, reason)``: the backend that serves ``device`` and why it was chosen."""
-        dev_type = torch.device(device).type if device is not None else None
+        """Return ``(backend, reason)``: the backend that serves ``device`` and why it was chosen.
+
+        Successful answers are memoised per (argument, environment, device type), since every op
+        asks; a change of ``RECOVERSSM_BACKEND`` or of the interpreter setting is a new key.
+        """
+        dev_type = device.type if isinstance(device, torch.device) else (
+            torch.device(device).type if device is not None else None)
+        key = (backend if not isinstance(backend, Backend) else id(backend), dev_type,
+               os.environ.get(ENV_BACKEND), os.environ.get("TRITON_INTERPRET"),
+               os.environ.get("RECOVERSSM_XPU_INTERPRET"))
+        hit = self._resolved.get(key)
+        if hit is not None and (not isinstance(backend, Backend) or hit[0] is backend):
+            return hit
+        answer = self._resolve(backend, dev_type)
+        self._resolved[key] = answer
+        return answer
+
+    def _resolve(self, backend: Union[str, Backend, None], dev_type: Optional[str]) -> tuple[Backend, str]:
         if isinstance(backend, Backend):
             chosen, why = backend, "passed as backend="
         elif backend is not None:

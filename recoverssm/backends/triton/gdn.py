@@ -49,17 +49,53 @@ def softplus(x):
 
 
 @triton.jit
-def delta_rule_step(S, k_hat, v, beta, decay):
+def delta_rule_step(S, k_hat, q_hat, v, beta, decay):
     """One token of the gated delta rule on a ``[K_CHUNKS, BV, K_INNER]`` fp32 state tile.
 
-    ``k_hat``: ``[K_CHUNKS, 1, K_INNER]``; ``v``: ``[BV]``; ``beta``, ``decay``: scalars.
-    Returns the new tile and the correction ``c_t`` ``[BV]`` (the replay record).
+    ``k_hat``, ``q_hat``: ``[K_CHUNKS, 1, K_INNER]``; ``v``: ``[BV]``; ``beta``, ``decay``: scalars.
+    Returns the new tile, the correction ``c_t`` ``[BV]`` (the replay record) and the output.
+
+    The output uses ``S_new q = S' q + c (k . q)``: both reductions then read ``S'`` and run side
+    by side instead of one after the other. Verify and the native paths share this function, so
+    ``c_t`` is bit-identical between them; the output differs from ``S_new q`` by rounding only.
     """
     S = S * decay
     predicted = sum_over_k(S * k_hat)
+    partial_out = sum_over_k(S * q_hat)
     correction = beta * (v - predicted)
     S = tl.fma(correction[None, :, None], k_hat, S)
-    return S, correction
+    k_dot_q = tl.sum(tl.sum(k_hat * q_hat, axis=2), axis=0)
+    out = tl.fma(correction, k_dot_q, partial_out)
+    return S, correction, out
+
+
+@triton.jit
+def load_token(tok, ready, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, neg_A, dt_bias,
+               stride_q_t, stride_k_t, stride_v_t, stride_a_t, stride_b_t, q_head, k_head, v_head,
+               hv, offs_k, mask_k, offs_v, mask_v, scale,
+               GATES_PRECOMPUTED: tl.constexpr, USE_L2NORM: tl.constexpr):
+    """One token's inputs, ready for the step: ``k^``, ``q^`` (normalized, scaled), ``v``, decay and
+    beta. Masked by ``ready`` so it can be issued one token ahead of the step that uses it."""
+    tok = tok.to(tl.int64)
+    mk = tl.where(ready, mask_k, False)
+    mv = tl.where(ready, mask_v, False)
+    k_hat = tl.load(k_ptr + tok * stride_k_t + k_head + offs_k, mask=mk, other=0.0).to(tl.float32)
+    q_hat = tl.load(q_ptr + tok * stride_q_t + q_head + offs_k, mask=mk, other=0.0).to(tl.float32)
+    v_t = tl.load(v_ptr + tok * stride_v_t + v_head + offs_v, mask=mv, other=0.0).to(tl.float32)
+    a_t = tl.load(a_ptr + tok * stride_a_t + hv, mask=ready, other=0.0).to(tl.float32)
+    b_t = tl.load(b_ptr + tok * stride_b_t + hv, mask=ready, other=0.0).to(tl.float32)
+    if USE_L2NORM:
+        k_hat = l2_normalize(k_hat)
+        q_hat = l2_normalize(q_hat) * scale
+    else:
+        q_hat = q_hat * scale
+    if GATES_PRECOMPUTED:
+        decay = tl.exp(a_t)
+        beta = b_t
+    else:
+        decay = tl.exp(neg_A * softplus(a_t + dt_bias))
+        beta = 1.0 / (1.0 + tl.exp(-b_t))
+    return k_hat, q_hat, v_t, decay, beta
 
 
 @triton.jit
@@ -95,38 +131,38 @@ def gdn_recurrent_kernel(
     mask_k = offs_k < K
     tile = offs_v[None, :, None] * stride_s_v + offs_k          # [K_CHUNKS, BV, K_INNER]
     mask_tile = mask_v[None, :, None] & mask_k
+    q_head = h * stride_q_h
+    k_head = h * stride_k_h
+    v_head = hv * stride_v_h
 
     if live:
         state_tile = state_ptr + slot.to(tl.int64) * stride_s_slot + hv * stride_s_h
         S = tl.load(state_tile + tile, mask=mask_tile, other=0.0).to(tl.float32)
-        if not GATES_PRECOMPUTED:
+        if GATES_PRECOMPUTED:
+            neg_A = 0.0
+            dt_bias = 0.0
+        else:
             neg_A = -tl.exp(tl.load(A_log_ptr + hv))
             dt_bias = tl.load(dt_bias_ptr + hv)
+        # Inputs run one token ahead of the step, so their loads and normalization overlap the
+        # previous token's arithmetic instead of stalling it.
+        k_n, q_n, v_n, decay_n, beta_n = load_token(
+            start, length > 0, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, neg_A, dt_bias,
+            stride_q_t, stride_k_t, stride_v_t, stride_a_t, stride_b_t, q_head, k_head, v_head,
+            hv, offs_k, mask_k, offs_v, mask_v, scale, GATES_PRECOMPUTED, USE_L2NORM)
         for t in range(0, length):
+            k_hat, q_hat, v_t, decay, beta = k_n, q_n, v_n, decay_n, beta_n
+            k_n, q_n, v_n, decay_n, beta_n = load_token(
+                start + t + 1, t + 1 < length, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, neg_A, dt_bias,
+                stride_q_t, stride_k_t, stride_v_t, stride_a_t, stride_b_t, q_head, k_head, v_head,
+                hv, offs_k, mask_k, offs_v, mask_v, scale, GATES_PRECOMPUTED, USE_L2NORM)
+
+            S, correction, o_t = delta_rule_step(S, k_hat, q_hat, v_t, beta, decay)
+
             tok = (start + t).to(tl.int64)
-            k_hat = tl.load(k_ptr + tok * stride_k_t + h * stride_k_h + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-            q_hat = tl.load(q_ptr + tok * stride_q_t + h * stride_q_h + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-            if USE_L2NORM:
-                k_hat = l2_normalize(k_hat)
-                q_hat = l2_normalize(q_hat) * scale
-            else:
-                q_hat = q_hat * scale
-            v_t = tl.load(v_ptr + tok * stride_v_t + hv * stride_v_h + offs_v, mask=mask_v, other=0.0).to(tl.float32)
-            if GATES_PRECOMPUTED:
-                decay = tl.exp(tl.load(a_ptr + tok * stride_a_t + hv).to(tl.float32))
-                beta = tl.load(b_ptr + tok * stride_b_t + hv).to(tl.float32)
-            else:
-                x = tl.load(a_ptr + tok * stride_a_t + hv).to(tl.float32) + dt_bias
-                decay = tl.exp(neg_A * softplus(x))
-                b_t = tl.load(b_ptr + tok * stride_b_t + hv).to(tl.float32)
-                beta = 1.0 / (1.0 + tl.exp(-b_t))
-
-            S, correction = delta_rule_step(S, k_hat, v_t, beta, decay)
-
-            o_t = sum_over_k(S * q_hat)
             tl.store(out_ptr + tok * stride_o_t + hv * stride_o_h + offs_v,
                      o_t.to(out_ptr.dtype.element_ty), mask=mask_v)
-            if MODE == MODE_VERIFY:  # verify: replay records, by batch row and window position
+            if MODE == MODE_VERIFY:  # replay records, by batch row and window position
                 rec = (row * HV + hv).to(tl.int64) * max_window + t
                 tl.store(corr_ptr + rec * V + offs_v, correction, mask=mask_v)
                 if i_v == 0:
@@ -134,7 +170,7 @@ def gdn_recurrent_kernel(
                     if hv % (HV // H) == 0:
                         key_rec = (row * H + h).to(tl.int64) * max_window + t
                         tl.store(key_ptr + key_rec * K + offs_k, k_hat, mask=mask_k)
-            if MODE == MODE_SNAPSHOT:  # snapshot: the state after every position gets its own slot
+            if MODE == MODE_SNAPSHOT:  # the state after every position gets its own slot
                 dst = tl.load(snapshot_ptr + row * stride_snap_row + t)
                 if (dst > null_slot) & (dst < num_slots):
                     dst_tile = state_ptr + dst.to(tl.int64) * stride_s_slot + hv * stride_s_h
@@ -143,6 +179,6 @@ def gdn_recurrent_kernel(
             tl.store(state_tile + tile, to_storage(S, state_ptr.dtype.element_ty), mask=mask_tile)
     else:
         zeros = tl.zeros([BV], dtype=out_ptr.dtype.element_ty)
-        for t in range(0, tl.minimum(tl.maximum(end - start, 0), num_tokens)):
+        for t in range(0, tl.maximum(end - start, 0)):
             tok = (start + t).to(tl.int64)
             tl.store(out_ptr + tok * stride_o_t + hv * stride_o_h + offs_v, zeros, mask=mask_v)

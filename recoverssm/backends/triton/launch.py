@@ -41,6 +41,7 @@ class LaunchConfig:
     gdn_block_v: int = 32
     gdn_k_chunks: int = 8
     gdn_warps: int = 4
+    gdn_stages: Optional[int] = None
     commit_block_v: int = 32
     commit_warps: int = 4
     conv_block: int = 128
@@ -48,10 +49,13 @@ class LaunchConfig:
     plan_block: int = 128
     compile_options: dict = field(default_factory=dict)
 
-    def options(self, num_warps: int) -> dict:
+    def options(self, num_warps: int, num_stages: Optional[int] = None) -> dict:
         # enable_fp_fusion=False: no multiply-add is contracted behind our back; every fused
         # multiply-add of the contract is an explicit tl.fma (bit-identity depends on it).
-        return dict(num_warps=num_warps, enable_fp_fusion=False, **self.compile_options)
+        opts = dict(num_warps=num_warps, enable_fp_fusion=False, **self.compile_options)
+        if num_stages is not None:
+            opts["num_stages"] = num_stages
+        return opts
 
 
 def _pow2(n: int) -> int:
@@ -108,7 +112,7 @@ def gdn_recurrent(cfg: LaunchConfig, mode: str, q, k, v, state, state_indices, q
         T, state.shape[0], null_slot, max_window, scale,
         H=H, HV=HV, K=K, V=V, K_PAD=K_PAD, K_CHUNKS=k_chunks, BV=block_v,
         MODE=MODES[mode], GATES_PRECOMPUTED=gates.precomputed, USE_L2NORM=bool(use_qk_l2norm),
-        **cfg.options(cfg.gdn_warps))
+        **cfg.options(cfg.gdn_warps, cfg.gdn_stages))
 
 
 def plan_commit(cfg: LaunchConfig, num_accepted, state_indices, query_start_loc, request_indices,
