@@ -81,7 +81,7 @@ def _check_step_values(c: Checker, num_accepted, state_indices, query_start_loc,
                 if slot >= num_slots:
                     c.fail("block_table" + suffix, f"gives row {r} the {what} slot {slot}, outside [0, {num_slots})")
                 writes.append((r, slot))
-    live_sources = {srcs[r]: r for r, p in enumerate(plan) if p[0] > 0}
+    live_sources = [(r, srcs[r]) for r, p in enumerate(plan) if p[0] > 0]
     _written_slots_distinct(c, "block_table" + suffix if block_table is not None else "state_indices" + suffix,
                             writes, live_sources)
 
@@ -169,6 +169,8 @@ class CommitContext:
         rec = layer.records
         if not isinstance(rec, ReplayRecords):
             c.fail(f"{where}.records", f"must be a ReplayRecords, got {type(rec).__name__}", TypeError)
+        for name in ("correction", "key", "decay"):  # ranks first: the shapes below index them
+            c.tensor(f"{where}.records.{name}", getattr(rec, name), dims=None if name == "decay" else 4)
         mb, H, T, K = rec.key.shape
         HV, V = rec.correction.shape[1], rec.correction.shape[3]
         c.tensor(f"{where}.state", layer.state, dtypes=STATE_DTYPES, shape=(None, HV, V, K), last_contiguous=True)

@@ -1,0 +1,108 @@
+"""The reference path: plain non-speculative decoding, one token per request per call.
+
+Nothing here touches records, plans or commits. Each request owns slot ``q`` of small private
+pools; every call feeds one token per active request through the model with ``rs.gdn_decode``
+(the native per-token recurrence, state updated in place) and a per-token causal conv:
+
+* ``conv="torch"``: the conv written out in plain PyTorch from the contract's formula
+  (``y = silu(bias + sum_j w[:, j] * seq[j])``, fp32, taps in order ``j = 0 .. width-1``,
+  then the window shifts by one). These are the same elementwise fp32 operations, in the same
+  order, as the ``cpu_ref`` kernel, so on ``cpu_ref`` the outputs agree bit for bit without
+  sharing any code with it.
+* ``conv="kernel"``: the backend's own ``rs.conv_verify`` on a one-token window, then the history
+  is shifted by hand. Used for GPU backends, whose conv kernel may contract ``a*b+c`` into an FMA
+  and so round differently from PyTorch's separate multiply and add.
+
+It also keeps a copy of every layer's state and conv history whenever a request's token count
+reaches a multiple of a group's block size: what a prefix-cache block must hold.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+import recoverssm as rs
+
+from .model import TinyGDN
+
+
+class ReferenceEngine:
+    """Per-token decode of ``num_requests`` requests; request ``q`` lives in slot ``q``."""
+
+    def __init__(self, model: TinyGDN, num_requests: int, backend, conv: str,
+                 block_sizes: Sequence[int], layers_of: Sequence[Sequence[int]]):
+        if conv not in ("torch", "kernel"):
+            raise ValueError(f"conv must be 'torch' or 'kernel', got {conv!r}")
+        c = model.cfg
+        self.model = model
+        self.backend = backend
+        self.conv = conv
+        self.block_sizes = list(block_sizes)
+        self.layers_of = [list(ls) for ls in layers_of]
+        dev = model.device
+        self.state = [torch.zeros(num_requests, c.HV, c.V, c.K, device=dev) for _ in range(c.num_layers)]
+        # Columns [0, history) hold the history; the last column is where a one-token window
+        # goes (the kernel path writes it there, exactly as verify would).
+        self.conv_state = [torch.zeros(num_requests, c.conv_dim, c.conv_history + 1, device=dev)
+                           for _ in range(c.num_layers)]
+        self.num_computed = [0] * num_requests
+        #: (group, request, tokens) -> [(state, conv history) per layer of the group]
+        self.block_states: dict[tuple[int, int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def feed(self, requests: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+        """Feed token ``tokens[j]`` to request ``requests[j]`` (distinct requests, one token each);
+        return ``logits [len(requests), vocab]``."""
+        m, dev = self.model, self.model.device
+        B = len(requests)
+        slots = torch.tensor(list(requests), dtype=torch.int32, device=dev)
+        qsl = torch.arange(B + 1, dtype=torch.int32, device=dev)
+        h = m.embed(torch.tensor(list(tokens), dtype=torch.long, device=dev))
+        for i, w in enumerate(m.layers):
+            x = m.in_proj(i, h)
+            y = self._conv(i, x.qkv, requests, slots, qsl)
+            q, k, v = m.split_qkv(y)
+            o = rs.gdn_decode(q, k, v, state=self.state[i], state_indices=slots, query_start_loc=qsl,
+                              a=x.a, b=x.b, A_log=w.A_log, dt_bias=w.dt_bias, backend=self.backend)
+            h = m.finish_layer(i, h, o, x.z)
+        for r in requests:
+            self.num_computed[r] += 1
+            self._keep_block_state(r)
+        return m.logits(h)
+
+    def _conv(self, i: int, x: torch.Tensor, requests, slots, qsl) -> torch.Tensor:
+        """Per-token causal conv of layer ``i``: ``x [B, conv_dim]`` -> ``y [B, conv_dim]``."""
+        w = self.model.layers[i]
+        cs = self.conv_state[i]
+        hist = self.model.cfg.conv_history
+        if self.conv == "kernel":
+            y = rs.conv_verify(x, cs, w.conv_w, w.conv_b, state_indices=slots, query_start_loc=qsl,
+                               activation="silu", backend=self.backend)
+            cs[slots.long(), :, :hist] = cs[slots.long(), :, 1:hist + 1].clone()
+            return y
+        weight = w.conv_w.float()
+        ys = []
+        for j, r in enumerate(requests):
+            seq = torch.cat([cs[r, :, :hist].float(), x[j].float()[:, None]], dim=1)   # [conv_dim, width]
+            acc = torch.zeros(x.shape[1], dtype=torch.float32, device=x.device)
+            acc += w.conv_b.float()
+            for tap in range(weight.shape[1]):
+                acc = acc + weight[:, tap] * seq[:, tap]
+            ys.append(F.silu(acc).to(x.dtype))
+            cs[r, :, :hist] = seq[:, 1:].to(cs.dtype)
+        return torch.stack(ys)
+
+    def _keep_block_state(self, r: int) -> None:
+        n = self.num_computed[r]
+        hist = self.model.cfg.conv_history
+        for g, bs in enumerate(self.block_sizes):
+            if n % bs == 0:
+                self.block_states[(g, r, n)] = [
+                    (self.state[i][r].clone(), self.conv_state[i][r, :, :hist].clone())
+                    for i in self.layers_of[g]]
+
+    def current(self, g: int, r: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Request ``r``'s (state, conv history) for each layer of group ``g``, now."""
+        hist = self.model.cfg.conv_history
+        return [(self.state[i][r], self.conv_state[i][r, :, :hist]) for i in self.layers_of[g]]

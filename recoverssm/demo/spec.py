@@ -1,0 +1,167 @@
+"""The speculative path: verify every request's window from a read-only checkpoint, commit once.
+
+State layout, as an engine with prefix caching (align mode) holds it:
+
+* two KV-cache groups (even layers, odd layers), each with its own block size and its own block
+  table ``[num_requests, width]`` of slots in its own pools; block ``j`` of a request covers tokens
+  ``[j*bs, (j+1)*bs)`` and holds the state after the last of them that has been computed;
+* per layer: ``state [num_slots, HV, V, K]`` fp32, ``conv_state [num_slots, conv_dim, history + T_max]``
+  and one :class:`~recoverssm.ReplayRecords` workspace (batch row = request);
+* per group and request: the *source slot*, the slot holding the state after the last computed
+  token (where the next window is verified from). The commit plan says where the state goes; the
+  engine computes the same plan with :func:`recoverssm.plan_commit` to know the next source slots.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+import recoverssm as rs
+
+from .model import TinyGDN
+
+
+@dataclass
+class GroupPlan:
+    """One group's commit plan, on the host: lists over requests (section 4 of the contract)."""
+
+    commit_len: list[int]
+    final_slot: list[int]
+    boundary_slot: list[int]
+    boundary_len: list[int]
+
+
+class SpecEngine:
+    """Windows in, logits out; commits the accepted prefix of every window into every layer.
+
+    ``block_sizes``: one block size per KV-cache group (layer ``i`` belongs to group
+    ``i % len(block_sizes)``). ``max_tokens``: the most tokens a request will ever compute (sizes
+    the block tables). ``backend``: a backend name or object for every op.
+    """
+
+    def __init__(self, model: TinyGDN, num_requests: int, max_window: int,
+                 block_sizes: Sequence[int], max_tokens: int, backend, seed: int = 0):
+        c = model.cfg
+        self.model = model
+        self.backend = backend
+        self.num_requests = num_requests
+        self.max_window = max_window
+        # One group per block size, but never an empty group (a 1-layer model has one group).
+        self.block_sizes = list(block_sizes)[:c.num_layers]
+        self.num_groups = len(self.block_sizes)
+        dev = model.device
+        self.group_of = [i % self.num_groups for i in range(c.num_layers)]
+        self.layers_of = [[i for i in range(c.num_layers) if self.group_of[i] == g]
+                          for g in range(self.num_groups)]
+
+        # Block tables: every request gets `width` blocks of shuffled slots, so that slot numbers
+        # say nothing about requests or positions (as in an engine's block pool). Different groups
+        # get different tables (and block sizes): the grouped commit must keep them apart.
+        rng = random.Random(seed)
+        self.block_tables: list[torch.Tensor] = []
+        self.num_slots: list[int] = []
+        for bs in self.block_sizes:
+            width = math.ceil(max_tokens / bs) + 1
+            num_slots = num_requests * width
+            slots = list(range(num_slots))
+            rng.shuffle(slots)
+            table = [slots[q * width:(q + 1) * width] for q in range(num_requests)]
+            self.block_tables.append(torch.tensor(table, dtype=torch.int32, device=dev))
+            self.num_slots.append(num_slots)
+        self.block_tables_host = [t.tolist() for t in self.block_tables]
+
+        hist = c.conv_history
+        self.state = [torch.zeros(self.num_slots[self.group_of[i]], c.HV, c.V, c.K, device=dev)
+                      for i in range(c.num_layers)]
+        self.conv_state = [torch.zeros(self.num_slots[self.group_of[i]], c.conv_dim, hist + max_window,
+                                       device=dev) for i in range(c.num_layers)]
+        self.records = [rs.ReplayRecords.allocate(num_requests, max_window, c.H, c.HV, c.K, c.V, device=dev)
+                        for _ in range(c.num_layers)]
+        # Built once: a GPU backend builds its pointer tables here, not per step.
+        self.ctx = rs.CommitContext(
+            [[rs.LayerCache(self.state[i], self.records[i], conv_state=self.conv_state[i])
+              for i in layers] for layers in self.layers_of],
+            max_batch=num_requests, backend=backend)
+        # Nothing computed yet: every request starts from block 0 (zero state, zero conv history).
+        self.source = [[row[0] for row in tables] for tables in self.block_tables_host]
+        self.num_computed = [0] * num_requests
+
+    # ---- one window per request -----------------------------------------------------------------
+    def forward(self, windows: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Verify one window per request (lengths ``0 .. max_window``).
+
+        Returns ``logits [T_total, vocab]`` and ``query_start_loc`` int32 ``[R + 1]``. Writes the
+        records of every layer and the window columns of the source slots' conv states; no state.
+        """
+        m, dev = self.model, self.model.device
+        lengths = [len(w) for w in windows]
+        assert max(lengths) <= self.max_window
+        qsl = torch.tensor([0] + list(_cumsum(lengths)), dtype=torch.int32, device=dev)
+        tokens = torch.tensor([t for w in windows for t in w], dtype=torch.long, device=dev)
+        sources = [torch.tensor(s, dtype=torch.int32, device=dev) for s in self.source]
+        h = m.embed(tokens)
+        for i, w in enumerate(m.layers):
+            g = self.group_of[i]
+            x = m.in_proj(i, h)
+            y = rs.conv_verify(x.qkv, self.conv_state[i], w.conv_w, w.conv_b, state_indices=sources[g],
+                               query_start_loc=qsl, activation="silu", backend=self.backend)
+            q, k, v = m.split_qkv(y)
+            o = rs.gdn_verify(q, k, v, state=self.state[i], state_indices=sources[g],
+                              query_start_loc=qsl, records=self.records[i], a=x.a, b=x.b,
+                              A_log=w.A_log, dt_bias=w.dt_bias, backend=self.backend)
+            h = m.finish_layer(i, h, o, x.z)
+        return m.logits(h), qsl
+
+    def commit(self, num_accepted: Sequence[int], qsl: torch.Tensor) -> list[GroupPlan]:
+        """Commit ``num_accepted[q]`` tokens of each request's window into every layer (ONE call
+        for all layers and both groups), then advance the source slots to where the plan put the
+        states. Returns each group's plan (for the checks)."""
+        dev = self.model.device
+        na = torch.tensor(list(num_accepted), dtype=torch.int32, device=dev)
+        nct = torch.tensor(self.num_computed, dtype=torch.int32, device=dev)
+        sources = [torch.tensor(s, dtype=torch.int32, device=dev) for s in self.source]
+        plans = []
+        for g in range(self.num_groups):
+            p = rs.plan_commit(na, sources[g], qsl, block_table=self.block_tables[g],
+                               num_computed_tokens=nct, block_size=self.block_sizes[g],
+                               num_slots=self.num_slots[g], backend=self.backend)
+            plans.append(GroupPlan(**p.as_dict()))
+        self.ctx.commit(na, sources, qsl, block_table=self.block_tables, num_computed_tokens=nct,
+                        block_size=self.block_sizes)
+        for g, p in enumerate(plans):
+            for q in range(self.num_requests):
+                if p.commit_len[q] > 0:
+                    self.source[g][q] = p.final_slot[q]
+        for q in range(self.num_requests):
+            self.num_computed[q] += plans[0].commit_len[q]
+        return plans
+
+    # ---- what the checks read ---------------------------------------------------------------------
+    def slot_state(self, layer: int, slot: int) -> torch.Tensor:
+        """Layer ``layer``'s recurrent state in ``slot`` ``[HV, V, K]``."""
+        return self.state[layer][slot]
+
+    def slot_conv_history(self, layer: int, slot: int) -> torch.Tensor:
+        """Layer ``layer``'s conv history in ``slot`` ``[conv_dim, history]``."""
+        return self.conv_state[layer][slot, :, :self.model.cfg.conv_history]
+
+    def bytes_held(self) -> dict[str, int]:
+        """Bytes of the live working set: one state slot per request per layer plus records,
+        against the snapshot method's ``1 + k`` slots (``k = max_window - 1``) per request."""
+        c = self.model.cfg
+        L, R, T = c.num_layers, self.num_requests, self.max_window
+        state = c.HV * c.V * c.K * self.state[0].element_size()
+        records = sum(r.correction.nbytes + r.key.nbytes + r.decay.nbytes for r in self.records)
+        return {"state_bytes_per_slot": state, "recoverssm_states": L * R * state,
+                "recoverssm_records": records, "snapshot_states": L * R * T * state}
+
+
+def _cumsum(xs):
+    total = 0
+    for x in xs:
+        total += x
+        yield total

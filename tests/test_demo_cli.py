@@ -1,0 +1,186 @@
+"""The command line: ``info``, ``demo`` (bit-identity of speculative vs per-token decoding),
+``check`` and the ``bench`` placeholder."""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from recoverssm import cli
+from recoverssm.backends.cpu_ref.plugin import CpuRefBackend
+from recoverssm.core.hookspecs import hookimpl
+from recoverssm.core.registry import registry
+from recoverssm.demo import DemoConfig, DemoMismatch, ModelConfig, run_demo
+from recoverssm.demo.spec import SpecEngine
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The demo's ops are tiny: one intra-op thread is much faster (and restored afterwards)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+TINY = ModelConfig(vocab=64, hidden=32, num_layers=2, H=1, HV=2, K=8, V=8, mlp_hidden=32)
+
+
+def tiny_config(**kw) -> DemoConfig:
+    base = dict(requests=3, draft_tokens=2, steps=4, seed=1, prompt_len=(3, 7), model=TINY)
+    base.update(kw)
+    return DemoConfig(**base)
+
+
+# ---- demo ------------------------------------------------------------------------------------------
+def test_demo_is_bit_identical_to_per_token_decoding():
+    res = run_demo(tiny_config())
+    assert res.ok and res.backend == "cpu_ref"
+    assert res.tokens == res.ref_tokens
+    assert len(res.steps) == 4
+    # every step emits accepted drafts + 1 per request, and the checks really ran
+    for s in res.steps:
+        assert s.emitted == [a + 1 for a in s.accepted]
+    assert all(len(t) == sum(s.emitted[q] for s in res.steps) for q, t in enumerate(res.tokens))
+    assert res.compared_slots > 0 and res.compared_logits > 0 and res.prefix_blocks_checked > 0
+
+
+def test_demo_windows_cross_and_end_on_block_boundaries():
+    # k + 1 = block size 4 (group 0): windows end exactly on boundaries and cross them.
+    res = run_demo(tiny_config(draft_tokens=3, steps=6, requests=4))
+    assert res.tokens == res.ref_tokens
+    assert sum(s.boundary_writes for s in res.steps) > 0
+
+
+def test_demo_reference_conv_through_the_kernel_agrees_too():
+    res = run_demo(tiny_config(ref_conv="kernel", steps=3))
+    assert res.ref_conv == "kernel" and res.tokens == res.ref_tokens
+
+
+def test_demo_detects_a_one_ulp_difference(monkeypatch):
+    original = SpecEngine.commit
+
+    def corrupting_commit(self, num_accepted, qsl):
+        plans = original(self, num_accepted, qsl)
+        slot = plans[1].final_slot[0]
+        layer = self.layers_of[1][0]
+        s = self.state[layer][slot]
+        s[0, 0, 0] = torch.nextafter(s[0, 0, 0], torch.tensor(float("inf")))
+        return plans
+
+    monkeypatch.setattr(SpecEngine, "commit", corrupting_commit)
+    with pytest.raises(DemoMismatch, match="recurrent state"):
+        run_demo(tiny_config(steps=2))
+
+
+def test_demo_cli_json(capsys):
+    rc = cli.main(["demo", "--requests", "2", "--draft-tokens", "2", "--steps", "2", "--layers", "2", "--json"])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["ok"] and summary["tokens_match"] and summary["backend"] == "cpu_ref"
+    assert summary["memory"]["slots_per_request_snapshot"] == 3
+
+
+# ---- info ------------------------------------------------------------------------------------------
+def test_info_mentions_cpu_ref(capsys):
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "cpu_ref" in out and "torch" in out and "selected" in out
+
+
+def test_info_json():
+    info = cli.collect_info()
+    names = [b["name"] for b in info["backends"]]
+    assert "cpu_ref" in names
+    assert info["selected"]["cpu"]["backend"] in ("cpu_ref",) or os.environ.get("RECOVERSSM_BACKEND")
+    assert any(d["type"] == "cpu" for d in info["devices"])
+
+
+def test_python_dash_m_runs():
+    out = subprocess.run([sys.executable, "-m", "recoverssm", "info", "--json"], capture_output=True,
+                         text=True, check=True).stdout
+    assert "cpu_ref" in json.loads(out)["selected"]["cpu"]["backend"] or os.environ.get("RECOVERSSM_BACKEND")
+
+
+# ---- check -----------------------------------------------------------------------------------------
+def test_check_cpu_ref_passes(capsys):
+    rc = cli.main(["check", "--backend", "cpu_ref", "--device", "cpu", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 0 and report["passed"], [i for i in report["items"] if i["status"] != "pass"]
+    assert report["counts"]["pass"] > 20
+
+
+class _OneUlpOffDecode(CpuRefBackend):
+    """cpu_ref whose decode nudges one state element by one ulp: within every tolerance, but no
+    longer bit-identical to the commit."""
+
+    name = "cpu_ref_off_by_one_ulp"
+
+    def gdn_recurrent(self, mode, q, k, v, state, state_indices, query_start_loc, gates, *args):
+        super().gdn_recurrent(mode, q, k, v, state, state_indices, query_start_loc, gates, *args)
+        if mode == "decode":
+            for slot in state_indices.tolist():
+                if slot >= 0:
+                    state[slot, 0, 0, 0] = torch.nextafter(state[slot, 0, 0, 0].float(),
+                                                           torch.tensor(float("inf"))).to(state.dtype)
+
+
+class _Plugin:
+    @hookimpl
+    def recoverssm_backends(self):
+        return [_OneUlpOffDecode()]
+
+
+def test_check_catches_a_backend_that_is_not_bit_exact(capsys):
+    registry().register(_Plugin(), name="test-off-by-one-ulp")
+    try:
+        rc = cli.main(["check", "--backend", _OneUlpOffDecode.name, "--device", "cpu", "--json"])
+    finally:
+        registry().unregister("test-off-by-one-ulp")
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 1 and not report["passed"]
+    failed = {i["name"] for i in report["items"] if i["status"] == "FAIL"}
+    assert "commit == own decode (bit-exact)" in failed
+    # ... while the tolerance items against cpu_ref still pass
+    assert not any(i["status"] == "FAIL" and "vs cpu_ref" in i["name"] and "decode" in i["name"]
+                   for i in report["items"])
+
+
+def _cuda_backend_under_interpreter() -> bool:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    try:
+        importlib.import_module("recoverssm.backends.cuda")
+    except Exception:
+        return False
+    return "cuda" in registry().backends()
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(not _cuda_backend_under_interpreter(),
+                    reason="needs TRITON_INTERPRET=1 and the cuda backend registered")
+def test_check_cuda_backend_under_the_interpreter(capsys):
+    rc = cli.main(["check", "--backend", "cuda", "--device", "cpu", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    bad = [i for i in report["items"] if i["status"] not in ("pass", "skip")]
+    assert rc == 0 and report["passed"], bad
+
+
+# ---- bench -----------------------------------------------------------------------------------------
+def test_bench_placeholder(capsys):
+    try:
+        importlib.import_module("recoverssm.bench")
+    except ModuleNotFoundError:
+        assert cli.main(["bench", "--anything"]) == 2
+        assert "not built yet" in capsys.readouterr().err
+    else:
+        pytest.skip("recoverssm.bench exists; its own tests cover it")
+
+
+def test_no_command_prints_help(capsys):
+    assert cli.main([]) == 2
+    assert "demo" in capsys.readouterr().out
