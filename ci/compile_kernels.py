@@ -23,7 +23,7 @@ from triton.compiler import ASTSource
 
 from recoverssm.backends.triton.commit import grouped_commit_kernel, plan_commit_kernel
 from recoverssm.backends.triton.conv import conv_verify_kernel
-from recoverssm.backends.triton.gdn import MODE_DECODE, MODE_SNAPSHOT, MODE_VERIFY, gdn_recurrent_kernel
+from recoverssm.backends.triton.gdn import gdn_recurrent_kernel
 from recoverssm.backends.triton.launch import LaunchConfig
 
 
@@ -35,10 +35,11 @@ def _signature(fn, pointer_types: dict[str, str], constexprs: dict, default: str
             sig[p] = "constexpr"
         elif p.endswith("_ptr"):
             sig[p] = pointer_types.get(p, "*fp32")
-            attrs[(i,)] = [["tt.divisibility", 16]]
+            if p not in getattr(fn, "do_not_specialize_on_alignment", ()):
+                attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             sig[p] = pointer_types.get(p, default)
-            if p.startswith("stride"):  # what Triton's JIT infers for strides that are multiples of 16
+            if p.startswith("stride_s"):  # what Triton's JIT infers for state strides (multiples of 16)
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return sig, attrs
 
@@ -72,10 +73,10 @@ def cases(cfg: LaunchConfig, K=128, V=128, H=16, HV=48):
                                 "commit_len_ptr", "final_ptr", "boundary_ptr", "boundary_len_ptr")}
     f32 = {"scale": "fp32"}
     for state in ("*fp32", "*bf16"):
-        for mode in (MODE_VERIFY, MODE_DECODE, MODE_SNAPSHOT):
-            yield (f"gdn_recurrent mode={mode} state={state}", gdn_recurrent_kernel,
+        for gates in (False, True):
+            yield (f"gdn_recurrent precomputed={gates} state={state}", gdn_recurrent_kernel,
                    dict(H=H, HV=HV, K=K, V=V, K_PAD=K, K_CHUNKS=cfg.gdn_k_chunks, BV=cfg.gdn_block_v,
-                        MODE=mode, GATES_PRECOMPUTED=False, USE_L2NORM=True),
+                        GATES_PRECOMPUTED=gates, USE_L2NORM=True),
                    {**ints, **f32, "state_ptr": state, "q_ptr": "*bf16", "k_ptr": "*bf16",
                     "v_ptr": "*bf16", "out_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16"},
                    cfg.gdn_warps)

@@ -129,6 +129,7 @@ class Registry:
         return answer
 
     def _resolve(self, backend: Union[str, Backend, None], dev_type: Optional[str]) -> tuple[Backend, str]:
+        self.backends()   # plugins must be registered before their default-backend hooks are asked
         if isinstance(backend, Backend):
             chosen, why = backend, "passed as backend="
         elif backend is not None:

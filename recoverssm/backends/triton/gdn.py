@@ -1,9 +1,10 @@
 """Gated DeltaNet recurrence kernel: verify, native decode and snapshot in one source.
 
 One program owns one (batch row, value head, BV-slice of V) state tile and walks the row's window
-token by token with the tile in fp32 registers. The three modes are ``constexpr`` switches of one
-kernel, and the per-token step is one ``@triton.jit`` helper, so verify's records hold exactly the
-``c_t`` the native paths compute (same reduction tree) and a commit of them is bit-identical.
+token by token with the tile in fp32 registers. The three modes are a *runtime* switch of one
+compiled kernel, and the per-token step is one ``@triton.jit`` helper, so verify's records hold
+exactly the ``c_t`` the native paths compute (same machine code, same reduction tree) and a commit
+of them is bit-identical.
 
 The tile is held as ``[K_CHUNKS, BV, K // K_CHUNKS]``: K is split into chunks that stay inside a
 thread, so each reduction over K is mostly in-thread adds and only a few lane shuffles.
@@ -98,7 +99,20 @@ def load_token(tok, ready, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, neg_A, dt_bias,
     return k_hat, q_hat, v_t, decay, beta
 
 
-@triton.jit
+# Everything that may differ between a verify call and the native call it must match (token
+# inputs, records, outputs, index tensors, scalars, the mode itself) is kept out of Triton's
+# specialization, so verify, decode and snapshot run the *same compiled kernel*: only the state
+# (shared by both paths) and the constexprs select the binary. Otherwise an alignment or a stride
+# that happens to be a multiple of 16 in one call and not the other could give the compiler a
+# different layout, hence a different reduction order for c_t (seen for K = 32 and 64).
+_TOKEN_POINTERS = ["q_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr", "A_log_ptr", "dt_bias_ptr", "out_ptr",
+                   "state_indices_ptr", "qsl_ptr", "corr_ptr", "key_ptr", "decay_ptr", "snapshot_ptr"]
+_RUNTIME_SCALARS = ["stride_q_t", "stride_q_h", "stride_k_t", "stride_k_h", "stride_v_t", "stride_v_h",
+                    "stride_a_t", "stride_b_t", "stride_o_t", "stride_o_h", "stride_snap_row",
+                    "num_tokens", "num_slots", "null_slot", "max_window", "scale", "mode"]
+
+
+@triton.jit(do_not_specialize=_RUNTIME_SCALARS, do_not_specialize_on_alignment=_TOKEN_POINTERS)
 def gdn_recurrent_kernel(
     q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, out_ptr,
     state_ptr, state_indices_ptr, qsl_ptr,
@@ -106,10 +120,10 @@ def gdn_recurrent_kernel(
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
     stride_a_t, stride_b_t, stride_o_t, stride_o_h,
     stride_s_slot, stride_s_h, stride_s_v, stride_snap_row,
-    num_tokens, num_slots, null_slot, max_window, scale,
+    num_tokens, num_slots, null_slot, max_window, scale, mode,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     K_PAD: tl.constexpr, K_CHUNKS: tl.constexpr, BV: tl.constexpr,
-    MODE: tl.constexpr, GATES_PRECOMPUTED: tl.constexpr, USE_L2NORM: tl.constexpr,
+    GATES_PRECOMPUTED: tl.constexpr, USE_L2NORM: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     hv = tl.program_id(1)
@@ -162,7 +176,7 @@ def gdn_recurrent_kernel(
             tok = (start + t).to(tl.int64)
             tl.store(out_ptr + tok * stride_o_t + hv * stride_o_h + offs_v,
                      o_t.to(out_ptr.dtype.element_ty), mask=mask_v)
-            if MODE == MODE_VERIFY:  # replay records, by batch row and window position
+            if mode == MODE_VERIFY:  # replay records, by batch row and window position
                 rec = (row * HV + hv).to(tl.int64) * max_window + t
                 tl.store(corr_ptr + rec * V + offs_v, correction, mask=mask_v)
                 if i_v == 0:
@@ -170,12 +184,12 @@ def gdn_recurrent_kernel(
                     if hv % (HV // H) == 0:
                         key_rec = (row * H + h).to(tl.int64) * max_window + t
                         tl.store(key_ptr + key_rec * K + offs_k, k_hat, mask=mask_k)
-            if MODE == MODE_SNAPSHOT:  # the state after every position gets its own slot
+            if mode == MODE_SNAPSHOT:  # the state after every position gets its own slot
                 dst = tl.load(snapshot_ptr + row * stride_snap_row + t)
                 if (dst > null_slot) & (dst < num_slots):
                     dst_tile = state_ptr + dst.to(tl.int64) * stride_s_slot + hv * stride_s_h
                     tl.store(dst_tile + tile, to_storage(S, state_ptr.dtype.element_ty), mask=mask_tile)
-        if MODE == MODE_DECODE:  # native decode: the final state back into the row's slot
+        if mode == MODE_DECODE:  # native decode: the final state back into the row's slot
             tl.store(state_tile + tile, to_storage(S, state_ptr.dtype.element_ty), mask=mask_tile)
     else:
         zeros = tl.zeros([BV], dtype=out_ptr.dtype.element_ty)

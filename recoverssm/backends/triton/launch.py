@@ -39,8 +39,8 @@ class LaunchConfig:
     """
 
     gdn_block_v: int = 32
-    gdn_k_chunks: int = 8
-    gdn_warps: int = 4
+    gdn_k_chunks: int = 2
+    gdn_warps: int = 1
     gdn_stages: Optional[int] = None
     commit_block_v: int = 32
     commit_warps: int = 4
@@ -109,9 +109,9 @@ def gdn_recurrent(cfg: LaunchConfig, mode: str, q, k, v, state, state_indices, q
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         a.stride(0), b.stride(0), out.stride(0), out.stride(1),
         state.stride(0), state.stride(1), state.stride(2), snap.stride(0),
-        T, state.shape[0], null_slot, max_window, scale,
+        T, state.shape[0], null_slot, max_window, scale, MODES[mode],
         H=H, HV=HV, K=K, V=V, K_PAD=K_PAD, K_CHUNKS=k_chunks, BV=block_v,
-        MODE=MODES[mode], GATES_PRECOMPUTED=gates.precomputed, USE_L2NORM=bool(use_qk_l2norm),
+        GATES_PRECOMPUTED=gates.precomputed, USE_L2NORM=bool(use_qk_l2norm),
         **cfg.options(cfg.gdn_warps, cfg.gdn_stages))
 
 
