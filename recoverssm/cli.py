@@ -145,6 +145,9 @@ def cmd_info(args: argparse.Namespace) -> int:
 # demo, check, bench
 # ------------------------------------------------------------------------------------------------
 def cmd_demo(args: argparse.Namespace) -> int:
+    if getattr(args, "tp", None) is not None:
+        from recoverssm.demo import tp
+        return tp.main(args)
     from recoverssm.demo import run
     return run.main(args)
 

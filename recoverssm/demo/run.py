@@ -233,9 +233,11 @@ def _memory(spec: SpecEngine, cfg: DemoConfig) -> dict:
 
 
 def run_demo(cfg: DemoConfig, on_step: Optional[Callable[[StepStats], None]] = None,
-             on_prefill: Optional[Callable[[int], None]] = None) -> DemoResult:
+             on_prefill: Optional[Callable[[int], None]] = None, *,
+             make_model: Optional[Callable[[ModelConfig, torch.device], TinyGDN]] = None) -> DemoResult:
     """Run the demo; raise :class:`DemoMismatch` at the first difference. ``on_step`` is called
-    after each checked step (progress reporting)."""
+    after each checked step (progress reporting). ``make_model(model_cfg, device)`` replaces
+    :class:`TinyGDN` (the tensor-parallel demo passes its per-rank shard, :mod:`.tp`)."""
     if cfg.requests < 1 or cfg.draft_tokens < 0 or cfg.steps < 0 or cfg.model.num_layers < 1:
         raise ValueError("requests and layers must be >= 1, draft_tokens and steps >= 0")
     device = torch.device(cfg.device)
@@ -245,7 +247,7 @@ def run_demo(cfg: DemoConfig, on_step: Optional[Callable[[StepStats], None]] = N
     if ref_conv == "auto":
         ref_conv = "torch" if backend.name == "cpu_ref" else "kernel"
     mcfg = dataclasses.replace(cfg.model, seed=cfg.seed)
-    model = TinyGDN(mcfg, device)
+    model = (make_model or TinyGDN)(mcfg, device)
     R, k = cfg.requests, cfg.draft_tokens
     T = k + 1
 
@@ -369,6 +371,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch CPU threads (default: 1; the demo's ops are tiny, and extra intra-op "
                         "threads only add synchronisation, which spins badly on a busy machine)")
     p.add_argument("--json", action="store_true", help="print a machine-readable summary on stdout")
+    p.add_argument("--tp", type=int, default=None, metavar="N",
+                   help="tensor parallelism over N ranks, one process each: start with torchrun "
+                        "--nproc-per-node N (gloo on cpu, nccl on cuda); see docs/PARALLELISM.md")
 
 
 def _kib(n: int) -> str:

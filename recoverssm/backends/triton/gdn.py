@@ -6,8 +6,9 @@ compiled kernel, and the per-token step is one ``@triton.jit`` helper, so verify
 exactly the ``c_t`` the native paths compute (same machine code, same reduction tree) and a commit
 of them is bit-identical.
 
-The tile is held as ``[K_CHUNKS, BV, K // K_CHUNKS]``: K is split into chunks that stay inside a
-thread, so each reduction over K is mostly in-thread adds and only a few lane shuffles.
+The tile is held as ``[K_CHUNKS, BV, K_INNER]`` (``K = K_CHUNKS * K_INNER``). The lanes of a warp
+spread over ``K_INNER`` and over rows; each thread keeps ``K_CHUNKS`` chunks of its rows, so a
+reduction over K is mostly in-thread adds and ``log2(K_INNER)`` lane shuffles.
 
 Kernels are compiled with ``enable_fp_fusion=False`` (see ``launch.py``): every fused multiply-add
 is an explicit ``tl.fma`` and no other multiply is contracted, which keeps the rounding order of
@@ -34,8 +35,9 @@ def sum_over_k(x):
 
 @triton.jit
 def l2_normalize(x):
-    """``x / sqrt(sum(x^2) + eps)`` for a ``[K_CHUNKS, 1, K_INNER]`` vector (IEEE sqrt and divide)."""
-    norm = tl.sqrt_rn(tl.sum(tl.sum(x * x, axis=2), axis=0) + L2NORM_EPS)
+    """``x / sqrt(sum(x^2) + eps)`` over K for a ``[K_CHUNKS, BV, K_INNER]`` tile of one vector
+    repeated on every row (IEEE sqrt and divide)."""
+    norm = tl.sqrt_rn(sum_over_k(x * x) + L2NORM_EPS)
     return tl.div_rn(x, norm[None, :, None])
 
 
@@ -53,7 +55,8 @@ def softplus(x):
 def delta_rule_step(S, k_hat, q_hat, v, beta, decay):
     """One token of the gated delta rule on a ``[K_CHUNKS, BV, K_INNER]`` fp32 state tile.
 
-    ``k_hat``, ``q_hat``: ``[K_CHUNKS, 1, K_INNER]``; ``v``: ``[BV]``; ``beta``, ``decay``: scalars.
+    ``k_hat``, ``q_hat``: ``[K_CHUNKS, BV, K_INNER]`` (one vector on every row); ``v``: ``[BV]``;
+    ``beta``, ``decay``: scalars.
     Returns the new tile, the correction ``c_t`` ``[BV]`` (the replay record) and the output.
 
     The output uses ``S_new q = S' q + c (k . q)``: both reductions then read ``S'`` and run side
@@ -65,7 +68,7 @@ def delta_rule_step(S, k_hat, q_hat, v, beta, decay):
     partial_out = sum_over_k(S * q_hat)
     correction = beta * (v - predicted)
     S = tl.fma(correction[None, :, None], k_hat, S)
-    k_dot_q = tl.sum(tl.sum(k_hat * q_hat, axis=2), axis=0)
+    k_dot_q = sum_over_k(k_hat * q_hat)
     out = tl.fma(correction, k_dot_q, partial_out)
     return S, correction, out
 
@@ -76,10 +79,14 @@ def load_token(tok, ready, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, neg_A, dt_bias,
                hv, offs_k, mask_k, offs_v, mask_v, scale,
                GATES_PRECOMPUTED: tl.constexpr, USE_L2NORM: tl.constexpr):
     """One token's inputs, ready for the step: ``k^``, ``q^`` (normalized, scaled), ``v``, decay and
-    beta. Masked by ``ready`` so it can be issued one token ahead of the step that uses it."""
+    beta. Masked by ``ready``. (Loading one token ahead of the step was tried: the second copy of
+    ``k^`` and ``q^`` pushed the kernel into register spills and it ran slower on the H200.)"""
     tok = tok.to(tl.int64)
     mk = tl.where(ready, mask_k, False)
     mv = tl.where(ready, mask_v, False)
+    # k and q are loaded straight into the state tile's shape, repeated on every row: this load
+    # fixes the layout the whole step computes in (the state tile is converted to it once, before
+    # the loop), so no per-token layout conversion is needed. Repeated rows of one thread hit L1.
     k_hat = tl.load(k_ptr + tok * stride_k_t + k_head + offs_k, mask=mk, other=0.0).to(tl.float32)
     q_hat = tl.load(q_ptr + tok * stride_q_t + q_head + offs_k, mask=mk, other=0.0).to(tl.float32)
     v_t = tl.load(v_ptr + tok * stride_v_t + v_head + offs_v, mask=mv, other=0.0).to(tl.float32)
@@ -140,8 +147,8 @@ def gdn_recurrent_kernel(
 
     offs_v = i_v * BV + tl.arange(0, BV)
     mask_v = offs_v < V
-    offs_k = (tl.arange(0, K_CHUNKS)[:, None, None] * K_INNER
-              + tl.arange(0, K_INNER)[None, None, :])          # [K_CHUNKS, 1, K_INNER]
+    offs_k = (tl.arange(0, K_CHUNKS)[:, None, None] * K_INNER + tl.arange(0, BV)[None, :, None] * 0
+              + tl.arange(0, K_INNER)[None, None, :])          # [K_CHUNKS, BV, K_INNER], rows alike
     mask_k = offs_k < K
     tile = offs_v[None, :, None] * stride_s_v + offs_k          # [K_CHUNKS, BV, K_INNER]
     mask_tile = mask_v[None, :, None] & mask_k
@@ -158,16 +165,9 @@ def gdn_recurrent_kernel(
         else:
             neg_A = -tl.exp(tl.load(A_log_ptr + hv))
             dt_bias = tl.load(dt_bias_ptr + hv)
-        # Inputs run one token ahead of the step, so their loads and normalization overlap the
-        # previous token's arithmetic instead of stalling it.
-        k_n, q_n, v_n, decay_n, beta_n = load_token(
-            start, length > 0, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, neg_A, dt_bias,
-            stride_q_t, stride_k_t, stride_v_t, stride_a_t, stride_b_t, q_head, k_head, v_head,
-            hv, offs_k, mask_k, offs_v, mask_v, scale, GATES_PRECOMPUTED, USE_L2NORM)
         for t in range(0, length):
-            k_hat, q_hat, v_t, decay, beta = k_n, q_n, v_n, decay_n, beta_n
-            k_n, q_n, v_n, decay_n, beta_n = load_token(
-                start + t + 1, t + 1 < length, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, neg_A, dt_bias,
+            k_hat, q_hat, v_t, decay, beta = load_token(
+                start + t, t < length, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, neg_A, dt_bias,
                 stride_q_t, stride_k_t, stride_v_t, stride_a_t, stride_b_t, q_head, k_head, v_head,
                 hv, offs_k, mask_k, offs_v, mask_v, scale, GATES_PRECOMPUTED, USE_L2NORM)
 
@@ -181,9 +181,10 @@ def gdn_recurrent_kernel(
                 tl.store(corr_ptr + rec * V + offs_v, correction, mask=mask_v)
                 if i_v == 0:
                     tl.store(decay_ptr + rec, decay)
-                    if hv % (HV // H) == 0:
+                    if hv % (HV // H) == 0:   # one program per q/k head writes its key, row 0's copy
                         key_rec = (row * H + h).to(tl.int64) * max_window + t
-                        tl.store(key_ptr + key_rec * K + offs_k, k_hat, mask=mask_k)
+                        first_row = tl.arange(0, BV)[None, :, None] == 0
+                        tl.store(key_ptr + key_rec * K + offs_k, k_hat, mask=mask_k & first_row)
             if mode == MODE_SNAPSHOT:  # the state after every position gets its own slot
                 dst = tl.load(snapshot_ptr + row * stride_snap_row + t)
                 if (dst > null_slot) & (dst < num_slots):

@@ -33,15 +33,17 @@ def interpreting() -> bool:
 class LaunchConfig:
     """Tile shapes and warps for one backend (one row of a backend's launch table).
 
-    ``gdn_block_v``: V rows per recurrence program; ``gdn_k_chunks``: K chunks kept in-thread;
+    ``gdn_block_v``: V rows per recurrence program; ``gdn_k_inner``: lanes' share of K (the
+    lanes of a warp spread over ``gdn_k_inner`` K positions, each thread keeps ``K / gdn_k_inner``);
     ``commit_block_v``: V rows per commit program; ``conv_block``: channels per conv program.
     ``compile_options``: extra options for every launch (e.g. ``grf_mode`` on Intel GPUs).
     """
 
-    gdn_block_v: int = 32
-    gdn_k_chunks: int = 2
+    gdn_block_v: int = 8
+    gdn_k_inner: int = 4
     gdn_warps: int = 1
     gdn_stages: Optional[int] = None
+    gdn_fp_fusion: bool = False
     commit_block_v: int = 32
     commit_warps: int = 4
     conv_block: int = 128
@@ -49,10 +51,10 @@ class LaunchConfig:
     plan_block: int = 128
     compile_options: dict = field(default_factory=dict)
 
-    def options(self, num_warps: int, num_stages: Optional[int] = None) -> dict:
+    def options(self, num_warps: int, num_stages: Optional[int] = None, fp_fusion: bool = False) -> dict:
         # enable_fp_fusion=False: no multiply-add is contracted behind our back; every fused
         # multiply-add of the contract is an explicit tl.fma (bit-identity depends on it).
-        opts = dict(num_warps=num_warps, enable_fp_fusion=False, **self.compile_options)
+        opts = dict(num_warps=num_warps, enable_fp_fusion=fp_fusion, **self.compile_options)
         if num_stages is not None:
             opts["num_stages"] = num_stages
         return opts
@@ -89,7 +91,7 @@ def gdn_recurrent(cfg: LaunchConfig, mode: str, q, k, v, state, state_indices, q
     if B == 0 or T == 0:
         return
     K_PAD = _pow2(K)
-    k_chunks = min(cfg.gdn_k_chunks, K_PAD)
+    k_chunks = max(K_PAD // cfg.gdn_k_inner, 1)
     block_v = min(cfg.gdn_block_v, _pow2(V))
     if mode == "verify":
         corr, key, decay = records
@@ -112,7 +114,7 @@ def gdn_recurrent(cfg: LaunchConfig, mode: str, q, k, v, state, state_indices, q
         T, state.shape[0], null_slot, max_window, scale, MODES[mode],
         H=H, HV=HV, K=K, V=V, K_PAD=K_PAD, K_CHUNKS=k_chunks, BV=block_v,
         GATES_PRECOMPUTED=gates.precomputed, USE_L2NORM=bool(use_qk_l2norm),
-        **cfg.options(cfg.gdn_warps, cfg.gdn_stages))
+        **cfg.options(cfg.gdn_warps, cfg.gdn_stages, cfg.gdn_fp_fusion))
 
 
 def plan_commit(cfg: LaunchConfig, num_accepted, state_indices, query_start_loc, request_indices,

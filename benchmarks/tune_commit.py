@@ -1,0 +1,53 @@
+"""Sweep the grouped commit kernel's tile (V rows per program) and warps on a GPU.
+
+    python benchmarks/tune_commit.py
+"""
+import itertools
+import json
+import os
+
+import torch
+
+from recoverssm.backends.triton.launch import LaunchConfig
+from recoverssm.bench.problems import align_step, commit_context
+from recoverssm.bench.timing import CopyCeiling, median_us
+
+H, K, V = 16, 128, 128
+
+
+def main():
+    ceiling = CopyCeiling("cuda")
+    cases = [("12L x 8req fp32", 1, 12, 8, torch.float32), ("3x6L x 64req bf16", 3, 6, 64, torch.bfloat16),
+             ("3x6L x 8req bf16", 3, 6, 8, torch.bfloat16)]
+    results = []
+    for name, G, L, R, dtype in cases:
+        step = align_step(R, 4)
+        ctx, caches = commit_context(G, L, R, 4, H, 48, K, V, step.num_slots, dtype)
+        state = 48 * V * K * torch.tensor([], dtype=dtype).element_size()
+        accepted = step.num_accepted.sum().item()
+        traffic = G * L * (state * (2 * R + step.boundaries) + accepted * (48 * V + H * K + 48) * 4)
+        kw = dict(block_table=step.block_table, num_computed_tokens=step.num_computed_tokens,
+                  block_size=step.block_size)
+        for bv, warps in itertools.product([8, 16, 32, 64, 128], [1, 2, 4, 8]):
+            if bv * K // (32 * warps) < 4 or bv * K // (32 * warps) > 128:
+                continue
+            ctx._committer.cfg = LaunchConfig(commit_block_v=bv, commit_warps=warps)
+            us = median_us([lambda: ctx.commit(step.num_accepted, step.state_indices, step.query_start_loc, **kw)],
+                           iters=40)
+            row = dict(case=name, bv=bv, warps=warps, us=round(us, 1),
+                       vs_copy=round(ceiling.us(traffic) / us, 3))
+            results.append(row)
+            print(row, flush=True)
+        del ctx, caches
+        torch.cuda.empty_cache()
+    for name, *_ in cases:
+        best = max((r for r in results if r["case"] == name), key=lambda r: r["vs_copy"])
+        print("best", best)
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "tune_commit.json"), "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
