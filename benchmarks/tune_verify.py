@@ -47,17 +47,17 @@ def main():
     for N, T, HV in shapes:
         n = copies_for(N * HV * V * K * 4)
         wins[(N, T, HV)] = [window(N, T, H, HV, K, V, seed=i) for i in range(n)]
-    grid = dict(bv=[4, 8, 16, 32], ki=[4, 8, 16], warps=[1, 2, 4], stages=[None], fusion=[False, True])
+    grid = dict(bv=[8, 16, 32], kc=[1, 2, 4, 8], warps=[1, 2], stages=[None], fusion=[False, True])
     if args.quick:
-        grid = dict(bv=[8, 16], ki=[4, 8], warps=[1, 2], stages=[None], fusion=[False, True])
+        grid = dict(bv=[8, 16, 32], kc=[1, 2, 4], warps=[1, 2], stages=[None], fusion=[False])
     results = []
-    for bv, ki, warps, stages, fusion in itertools.product(*grid.values()):
+    for bv, kc, warps, stages, fusion in itertools.product(*grid.values()):
         per_thread = bv * K // (32 * warps)
-        if per_thread < 8 or per_thread > 64 or bv * ki < 32 * warps // 8:
+        if per_thread < 16 or per_thread > 128:
             continue
-        cfg = LaunchConfig(gdn_block_v=bv, gdn_k_inner=ki, gdn_warps=warps, gdn_stages=stages,
+        cfg = LaunchConfig(gdn_block_v=bv, gdn_k_chunks=kc, gdn_warps=warps, gdn_stages=stages,
                            gdn_fp_fusion=fusion)
-        row = dict(bv=bv, ki=ki, warps=warps, stages=stages, fusion=fusion)
+        row = dict(bv=bv, kc=kc, warps=warps, stages=stages, fusion=fusion)
         try:
             for (N, T, HV), ws in wins.items():
                 us = median_us([lambda w=w: run(cfg, w) for w in ws], warmup=3, iters=20)

@@ -75,8 +75,8 @@ def cases(cfg: LaunchConfig, K=128, V=128, H=16, HV=48):
     for state in ("*fp32", "*bf16"):
         for gates in (False, True):
             yield (f"gdn_recurrent precomputed={gates} state={state}", gdn_recurrent_kernel,
-                   dict(H=H, HV=HV, K=K, V=V, K_PAD=K, K_CHUNKS=K // cfg.gdn_k_inner, BV=cfg.gdn_block_v,
-                        GATES_PRECOMPUTED=gates, USE_L2NORM=True),
+                   dict(H=H, HV=HV, K=K, V=V, K_PAD=K, K_CHUNKS=cfg.gdn_k_chunks, BV=cfg.gdn_block_v,
+                        GATES_PRECOMPUTED=gates, USE_L2NORM=True, ALIGNED=True),
                    {**ints, **f32, "state_ptr": state, "q_ptr": "*bf16", "k_ptr": "*bf16",
                     "v_ptr": "*bf16", "out_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16"},
                    cfg.gdn_warps)

@@ -6,9 +6,11 @@ compiled kernel, and the per-token step is one ``@triton.jit`` helper, so verify
 exactly the ``c_t`` the native paths compute (same machine code, same reduction tree) and a commit
 of them is bit-identical.
 
-The tile is held as ``[K_CHUNKS, BV, K_INNER]`` (``K = K_CHUNKS * K_INNER``). The lanes of a warp
-spread over ``K_INNER`` and over rows; each thread keeps ``K_CHUNKS`` chunks of its rows, so a
-reduction over K is mostly in-thread adds and ``log2(K_INNER)`` lane shuffles.
+The tile is held as ``[K_CHUNKS, BV, K_INNER]`` (``K = K_CHUNKS * K_INNER``): each thread keeps
+``K_CHUNKS`` chunks of its rows, the lanes spread over ``K_INNER`` and the rows. The compiler
+lays the step out like the per-token k/q loads (converting the state tile once, before the loop),
+so those loads' shape and alignment decide how a reduction over K splits between in-thread adds
+and lane shuffles.
 
 Kernels are compiled with ``enable_fp_fusion=False`` (see ``launch.py``): every fused multiply-add
 is an explicit ``tl.fma`` and no other multiply is contracted, which keeps the rounding order of
@@ -35,8 +37,7 @@ def sum_over_k(x):
 
 @triton.jit
 def l2_normalize(x):
-    """``x / sqrt(sum(x^2) + eps)`` over K for a ``[K_CHUNKS, BV, K_INNER]`` tile of one vector
-    repeated on every row (IEEE sqrt and divide)."""
+    """``x / sqrt(sum(x^2) + eps)`` over K of a ``[K_CHUNKS, 1, K_INNER]`` vector (IEEE sqrt and divide)."""
     norm = tl.sqrt_rn(sum_over_k(x * x) + L2NORM_EPS)
     return tl.div_rn(x, norm[None, :, None])
 
@@ -55,8 +56,7 @@ def softplus(x):
 def delta_rule_step(S, k_hat, q_hat, v, beta, decay):
     """One token of the gated delta rule on a ``[K_CHUNKS, BV, K_INNER]`` fp32 state tile.
 
-    ``k_hat``, ``q_hat``: ``[K_CHUNKS, BV, K_INNER]`` (one vector on every row); ``v``: ``[BV]``;
-    ``beta``, ``decay``: scalars.
+    ``k_hat``, ``q_hat``: ``[K_CHUNKS, 1, K_INNER]``; ``v``: ``[BV]``; ``beta``, ``decay``: scalars.
     Returns the new tile, the correction ``c_t`` ``[BV]`` (the replay record) and the output.
 
     The output uses ``S_new q = S' q + c (k . q)``: both reductions then read ``S'`` and run side
@@ -77,19 +77,23 @@ def delta_rule_step(S, k_hat, q_hat, v, beta, decay):
 def load_token(tok, ready, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, neg_A, dt_bias,
                stride_q_t, stride_k_t, stride_v_t, stride_a_t, stride_b_t, q_head, k_head, v_head,
                hv, offs_k, mask_k, offs_v, mask_v, scale,
-               GATES_PRECOMPUTED: tl.constexpr, USE_L2NORM: tl.constexpr):
+               GATES_PRECOMPUTED: tl.constexpr, USE_L2NORM: tl.constexpr, ALIGNED: tl.constexpr):
     """One token's inputs, ready for the step: ``k^``, ``q^`` (normalized, scaled), ``v``, decay and
     beta. Masked by ``ready``. (Loading one token ahead of the step was tried: the second copy of
     ``k^`` and ``q^`` pushed the kernel into register spills and it ran slower on the H200.)"""
     tok = tok.to(tl.int64)
     mk = tl.where(ready, mask_k, False)
     mv = tl.where(ready, mask_v, False)
-    # k and q are loaded straight into the state tile's shape, repeated on every row: this load
-    # fixes the layout the whole step computes in (the state tile is converted to it once, before
-    # the loop), so no per-token layout conversion is needed. Repeated rows of one thread hit L1.
-    k_hat = tl.load(k_ptr + tok * stride_k_t + k_head + offs_k, mask=mk, other=0.0).to(tl.float32)
-    q_hat = tl.load(q_ptr + tok * stride_q_t + q_head + offs_k, mask=mk, other=0.0).to(tl.float32)
-    v_t = tl.load(v_ptr + tok * stride_v_t + v_head + offs_v, mask=mv, other=0.0).to(tl.float32)
+    k_ptrs = k_ptr + tok * stride_k_t + k_head + offs_k
+    q_ptrs = q_ptr + tok * stride_q_t + q_head + offs_k
+    v_ptrs = v_ptr + tok * stride_v_t + v_head + offs_v
+    if ALIGNED:   # the launcher guarantees 16-byte aligned rows: allow 16-byte vector loads
+        k_ptrs = tl.multiple_of(k_ptrs, [16, 16, 16])
+        q_ptrs = tl.multiple_of(q_ptrs, [16, 16, 16])
+        v_ptrs = tl.multiple_of(v_ptrs, 16)
+    k_hat = tl.load(k_ptrs, mask=mk, other=0.0).to(tl.float32)
+    q_hat = tl.load(q_ptrs, mask=mk, other=0.0).to(tl.float32)
+    v_t = tl.load(v_ptrs, mask=mv, other=0.0).to(tl.float32)
     a_t = tl.load(a_ptr + tok * stride_a_t + hv, mask=ready, other=0.0).to(tl.float32)
     b_t = tl.load(b_ptr + tok * stride_b_t + hv, mask=ready, other=0.0).to(tl.float32)
     if USE_L2NORM:
@@ -109,9 +113,11 @@ def load_token(tok, ready, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, neg_A, dt_bias,
 # Everything that may differ between a verify call and the native call it must match (token
 # inputs, records, outputs, index tensors, scalars, the mode itself) is kept out of Triton's
 # specialization, so verify, decode and snapshot run the *same compiled kernel*: only the state
-# (shared by both paths) and the constexprs select the binary. Otherwise an alignment or a stride
-# that happens to be a multiple of 16 in one call and not the other could give the compiler a
-# different layout, hence a different reduction order for c_t (seen for K = 32 and 64).
+# (shared by both paths) and the constexprs select the binary. The layout the step computes in
+# follows the layout of the k/q loads, which follows their alignment: had Triton specialized on an
+# alignment or a stride that is a multiple of 16 in one call and not in the other, the two calls
+# could reduce over K in different orders (seen for K = 32 and 64). Alignment is instead the
+# constexpr ALIGNED, which the launcher makes true for every call it can (see launch.py).
 _TOKEN_POINTERS = ["q_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr", "A_log_ptr", "dt_bias_ptr", "out_ptr",
                    "state_indices_ptr", "qsl_ptr", "corr_ptr", "key_ptr", "decay_ptr", "snapshot_ptr"]
 _RUNTIME_SCALARS = ["stride_q_t", "stride_q_h", "stride_k_t", "stride_k_h", "stride_v_t", "stride_v_h",
@@ -130,7 +136,7 @@ def gdn_recurrent_kernel(
     num_tokens, num_slots, null_slot, max_window, scale, mode,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     K_PAD: tl.constexpr, K_CHUNKS: tl.constexpr, BV: tl.constexpr,
-    GATES_PRECOMPUTED: tl.constexpr, USE_L2NORM: tl.constexpr,
+    GATES_PRECOMPUTED: tl.constexpr, USE_L2NORM: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     hv = tl.program_id(1)
@@ -147,8 +153,8 @@ def gdn_recurrent_kernel(
 
     offs_v = i_v * BV + tl.arange(0, BV)
     mask_v = offs_v < V
-    offs_k = (tl.arange(0, K_CHUNKS)[:, None, None] * K_INNER + tl.arange(0, BV)[None, :, None] * 0
-              + tl.arange(0, K_INNER)[None, None, :])          # [K_CHUNKS, BV, K_INNER], rows alike
+    offs_k = (tl.arange(0, K_CHUNKS)[:, None, None] * K_INNER
+              + tl.arange(0, K_INNER)[None, None, :])          # [K_CHUNKS, 1, K_INNER]
     mask_k = offs_k < K
     tile = offs_v[None, :, None] * stride_s_v + offs_k          # [K_CHUNKS, BV, K_INNER]
     mask_tile = mask_v[None, :, None] & mask_k
@@ -169,22 +175,23 @@ def gdn_recurrent_kernel(
             k_hat, q_hat, v_t, decay, beta = load_token(
                 start + t, t < length, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, neg_A, dt_bias,
                 stride_q_t, stride_k_t, stride_v_t, stride_a_t, stride_b_t, q_head, k_head, v_head,
-                hv, offs_k, mask_k, offs_v, mask_v, scale, GATES_PRECOMPUTED, USE_L2NORM)
+                hv, offs_k, mask_k, offs_v, mask_v, scale, GATES_PRECOMPUTED, USE_L2NORM, ALIGNED)
 
             S, correction, o_t = delta_rule_step(S, k_hat, q_hat, v_t, beta, decay)
 
             tok = (start + t).to(tl.int64)
-            tl.store(out_ptr + tok * stride_o_t + hv * stride_o_h + offs_v,
-                     o_t.to(out_ptr.dtype.element_ty), mask=mask_v)
+            out_ptrs = out_ptr + tok * stride_o_t + hv * stride_o_h + offs_v
+            if ALIGNED:
+                out_ptrs = tl.multiple_of(out_ptrs, 16)
+            tl.store(out_ptrs, o_t.to(out_ptr.dtype.element_ty), mask=mask_v)
             if mode == MODE_VERIFY:  # replay records, by batch row and window position
                 rec = (row * HV + hv).to(tl.int64) * max_window + t
                 tl.store(corr_ptr + rec * V + offs_v, correction, mask=mask_v)
                 if i_v == 0:
                     tl.store(decay_ptr + rec, decay)
-                    if hv % (HV // H) == 0:   # one program per q/k head writes its key, row 0's copy
+                    if hv % (HV // H) == 0:   # one program per q/k head writes its key
                         key_rec = (row * H + h).to(tl.int64) * max_window + t
-                        first_row = tl.arange(0, BV)[None, :, None] == 0
-                        tl.store(key_ptr + key_rec * K + offs_k, k_hat, mask=mask_k & first_row)
+                        tl.store(key_ptr + key_rec * K + offs_k, k_hat, mask=mask_k)
             if mode == MODE_SNAPSHOT:  # the state after every position gets its own slot
                 dst = tl.load(snapshot_ptr + row * stride_snap_row + t)
                 if (dst > null_slot) & (dst < num_slots):

@@ -33,19 +33,18 @@ def interpreting() -> bool:
 class LaunchConfig:
     """Tile shapes and warps for one backend (one row of a backend's launch table).
 
-    ``gdn_block_v``: V rows per recurrence program; ``gdn_k_inner``: lanes' share of K (the
-    lanes of a warp spread over ``gdn_k_inner`` K positions, each thread keeps ``K / gdn_k_inner``);
+    ``gdn_block_v``: V rows per recurrence program; ``gdn_k_chunks``: K chunks kept in-thread;
     ``commit_block_v``: V rows per commit program; ``conv_block``: channels per conv program.
     ``compile_options``: extra options for every launch (e.g. ``grf_mode`` on Intel GPUs).
     """
 
-    gdn_block_v: int = 8
-    gdn_k_inner: int = 4
+    gdn_block_v: int = 16
+    gdn_k_chunks: int = 2
     gdn_warps: int = 1
     gdn_stages: Optional[int] = None
     gdn_fp_fusion: bool = False
     commit_block_v: int = 32
-    commit_warps: int = 4
+    commit_warps: int = 1
     conv_block: int = 128
     conv_warps: int = 4
     plan_block: int = 128
@@ -82,16 +81,43 @@ def conv_verify(cfg: LaunchConfig, x, conv_state, weight, bias, state_indices, q
         **cfg.options(cfg.conv_warps))
 
 
+def _rows_aligned(t: torch.Tensor) -> bool:
+    """Every row (last dim) of ``t`` starts on a 16-byte boundary."""
+    vec = 16 // t.element_size()
+    return t.data_ptr() % 16 == 0 and all(s % vec == 0 for s in t.stride()[:-1])
+
+
+def _aligned_token_inputs(q, k, v, out):
+    """Return ``(q, k, v, kernel_out, aligned)`` such that every call with the same shapes and
+    dtypes compiles to the same kernel: inputs whose rows are not 16-byte aligned are copied into
+    packed tensors (small next to the state), and a misaligned ``out`` is written through a packed
+    buffer. ``aligned`` is False only where packing cannot align rows (odd head sizes)."""
+    q, k, v = (t if _rows_aligned(t) else t.contiguous() for t in (q, k, v))
+    kernel_out = out if _rows_aligned(out) else torch.empty(out.shape, dtype=out.dtype, device=out.device)
+    aligned = all(_rows_aligned(t) for t in (q, k, v, kernel_out))
+    return q, k, v, kernel_out, aligned
+
+
 def gdn_recurrent(cfg: LaunchConfig, mode: str, q, k, v, state, state_indices, query_start_loc,
                   gates: GateInputs, scale: float, use_qk_l2norm: bool, null_slot: int, out,
                   records, snapshot_slots) -> None:
+    q, k, v, kernel_out, aligned = _aligned_token_inputs(q, k, v, out)
+    _launch_recurrent(cfg, mode, q, k, v, state, state_indices, query_start_loc, gates, scale,
+                      use_qk_l2norm, null_slot, kernel_out, records, snapshot_slots, aligned)
+    if kernel_out is not out:
+        out.copy_(kernel_out)
+
+
+def _launch_recurrent(cfg: LaunchConfig, mode: str, q, k, v, state, state_indices, query_start_loc,
+                      gates: GateInputs, scale: float, use_qk_l2norm: bool, null_slot: int, out,
+                      records, snapshot_slots, aligned: bool) -> None:
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     B = state_indices.shape[0]
     if B == 0 or T == 0:
         return
     K_PAD = _pow2(K)
-    k_chunks = max(K_PAD // cfg.gdn_k_inner, 1)
+    k_chunks = min(cfg.gdn_k_chunks, K_PAD)
     block_v = min(cfg.gdn_block_v, _pow2(V))
     if mode == "verify":
         corr, key, decay = records
@@ -113,7 +139,7 @@ def gdn_recurrent(cfg: LaunchConfig, mode: str, q, k, v, state, state_indices, q
         state.stride(0), state.stride(1), state.stride(2), snap.stride(0),
         T, state.shape[0], null_slot, max_window, scale, MODES[mode],
         H=H, HV=HV, K=K, V=V, K_PAD=K_PAD, K_CHUNKS=k_chunks, BV=block_v,
-        GATES_PRECOMPUTED=gates.precomputed, USE_L2NORM=bool(use_qk_l2norm),
+        GATES_PRECOMPUTED=gates.precomputed, USE_L2NORM=bool(use_qk_l2norm), ALIGNED=aligned,
         **cfg.options(cfg.gdn_warps, cfg.gdn_stages, cfg.gdn_fp_fusion))
 
 

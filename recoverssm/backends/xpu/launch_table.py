@@ -10,7 +10,7 @@ from ..triton.launch import LaunchConfig
 
 INTEL_DEFAULT = LaunchConfig(
     gdn_block_v=16,
-    gdn_k_inner=8,
+    gdn_k_chunks=2,
     gdn_warps=4,
     commit_block_v=16,
     commit_warps=4,
@@ -25,7 +25,7 @@ LAUNCH_TABLE = {None: INTEL_DEFAULT}
 #: The config used when the kernels run under TRITON_INTERPRET=1 on CPU tensors (CI): the same
 #: tile shapes, without Intel-only compile options the interpreter does not know.
 INTERPRETER = LaunchConfig(
-    gdn_block_v=INTEL_DEFAULT.gdn_block_v, gdn_k_inner=INTEL_DEFAULT.gdn_k_inner,
+    gdn_block_v=INTEL_DEFAULT.gdn_block_v, gdn_k_chunks=INTEL_DEFAULT.gdn_k_chunks,
     gdn_warps=INTEL_DEFAULT.gdn_warps, commit_block_v=INTEL_DEFAULT.commit_block_v,
     commit_warps=INTEL_DEFAULT.commit_warps, conv_block=INTEL_DEFAULT.conv_block,
     conv_warps=INTEL_DEFAULT.conv_warps)
