@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import recoverssm as rs
+from recoverssm.backends.cpu_ref.numerics import on_vector_path
 
 from .model import TinyGDN
 
@@ -89,7 +90,7 @@ class ReferenceEngine:
             acc += w.conv_b.float()
             for tap in range(weight.shape[1]):
                 acc = acc + weight[:, tap] * seq[:, tap]
-            ys.append(F.silu(acc).to(x.dtype))
+            ys.append(on_vector_path(F.silu, acc).to(x.dtype))   # cpu_ref's rounding rule
             cs[r, :, :hist] = seq[:, 1:].to(cs.dtype)
         return torch.stack(ys)
 

@@ -7,7 +7,10 @@ may follow the tensor's shape; so the reference
 
 * sums with an explicit pairwise tree of elementwise adds (:func:`tree_sum`),
 * fuses multiply-adds with one rounding through an exact float64 emulation (:func:`fma`),
-* evaluates transcendental gates one token at a time on tensors of a fixed shape (:func:`gdn_gates`).
+* evaluates transcendental gates one token at a time, on vectors padded to a multiple of
+  ``VECTOR_PAD`` so that every element takes the vectorised loop body (:func:`on_vector_path`):
+  then a head's gates do not depend on how many heads share the call either (tensor-parallel
+  shards compute the same bits as the full layer).
 """
 from __future__ import annotations
 
@@ -16,6 +19,16 @@ import torch.nn.functional as F
 
 L2NORM_EPS = 1e-6
 SOFTPLUS_THRESHOLD = 20.0
+VECTOR_PAD = 64   # a multiple of every SIMD width PyTorch's CPU kernels use (AVX512: 16 fp32)
+
+
+def on_vector_path(fn, x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` for a 1-D fp32 ``x``, evaluated on a copy padded with zeros to a multiple of
+    ``VECTOR_PAD`` elements, so no element lands in a loop's scalar tail (which may round a
+    transcendental function differently)."""
+    n = x.shape[-1]
+    padded = F.pad(x, (0, -n % VECTOR_PAD))
+    return fn(padded)[..., :n]
 
 
 def tree_sum(x: torch.Tensor) -> torch.Tensor:
@@ -72,14 +85,14 @@ def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
     Returns two fp32 ``[T, HV]`` tensors. Evaluated one token (one ``[HV]`` vector) at a time so
     that a token's gates never depend on the batch it arrived in.
     """
-    neg_a = -torch.exp(A_log.float())
+    neg_a = -on_vector_path(torch.exp, A_log.float())
     dt_bias = dt_bias.float()
     decay = torch.empty(a.shape, dtype=torch.float32)
     beta = torch.empty(b.shape, dtype=torch.float32)
     for t in range(a.shape[0]):
-        g_t = neg_a * softplus(a[t].float() + dt_bias)
-        decay[t] = torch.exp(g_t)
-        beta[t] = torch.sigmoid(b[t].float())
+        g_t = neg_a * on_vector_path(softplus, a[t].float() + dt_bias)
+        decay[t] = on_vector_path(torch.exp, g_t)
+        beta[t] = on_vector_path(torch.sigmoid, b[t].float())
     return decay, beta
 
 
@@ -87,13 +100,14 @@ def precomputed_gates(g: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor
     """Decay ``exp(g)`` and ``beta`` from precomputed ``[T, HV]`` gates, one token at a time."""
     decay = torch.empty(g.shape, dtype=torch.float32)
     for t in range(g.shape[0]):
-        decay[t] = torch.exp(g[t].float())
+        decay[t] = on_vector_path(torch.exp, g[t].float())
     return decay, beta.float().clone()
 
 
 def silu_rows(x: torch.Tensor) -> torch.Tensor:
-    """SiLU applied one row (``x[i]``) at a time, for the same reason as :func:`gdn_gates`."""
+    """SiLU applied one row (``x[i]``) at a time on the vector path, for the same reason as
+    :func:`gdn_gates`."""
     out = torch.empty_like(x)
     for i in range(x.shape[0]):
-        out[i] = F.silu(x[i])
+        out[i] = on_vector_path(F.silu, x[i])
     return out
