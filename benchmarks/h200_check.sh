@@ -23,6 +23,6 @@ for step in $what; do
         echo "compute-sanitizer $tool exit=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1)"
       done ;;&
     bench|all)
-      python3 -c "import sys; from recoverssm.bench import main; sys.exit(main(sys.argv[1:]))" --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -70 ;;
+      RECOVERSSM_COMMIT=$(cat .commit 2>/dev/null) python3 -c "import sys; from recoverssm.bench import main; sys.exit(main(sys.argv[1:]))" --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -70 ;;
   esac
 done

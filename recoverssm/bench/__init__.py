@@ -1,8 +1,10 @@
 """``recoverssm bench``: the GPU benchmark behind docs/BENCHMARKS.md.
 
-One run times every case with CUDA events (median of many calls after warm-up, inputs rotated so
-they are not served from L2), and compares each with a device-to-device copy of the same traffic
-(bytes read + bytes written). It prints one table, and writes ``bench.json`` and ``bench.png``.
+One run times every case with CUDA events (median over many replays of a CUDA graph holding the
+calls back to back, after warm-up, inputs rotated so they are not served from L2), and compares
+each with a device-to-device copy of the same traffic (bytes read + bytes written), timed the same
+way. Host time per call (Python, validation, launch) is measured separately. It prints one table,
+and writes ``bench.json`` and ``bench.png``.
 
     recoverssm bench [--out DIR] [--quick] [--no-fla]
 """

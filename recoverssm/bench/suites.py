@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import subprocess
 from typing import Callable
 
@@ -16,6 +17,8 @@ H, K, V = 16, 128, 128
 
 
 def _git_commit() -> str:
+    if os.environ.get("RECOVERSSM_COMMIT"):     # the device copy of the tree carries no .git
+        return os.environ["RECOVERSSM_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()
@@ -144,7 +147,7 @@ def bench_graph(ceiling: CopyCeiling, progress: Progress) -> list[dict]:
     with torch.cuda.graph(g0):
         tiny.add_(1)
         tiny.mul_(1)
-    launch_us = median_us([g0.replay], iters=100)
+    launch_us = median_us([g0.replay], iters=100, graph=False)
     for N in (1, 8):
         state = _state_bytes(N, HV)
         graphs = []
@@ -162,7 +165,7 @@ def bench_graph(ceiling: CopyCeiling, progress: Progress) -> list[dict]:
                 step()
             graphs.append(g)
             keep.append((w, ctx, acc))
-        t = median_us([g.replay for g in graphs], iters=100)
+        t = median_us([g.replay for g in graphs], iters=100, graph=False)
         floor = ceiling.us(2 * state) + launch_us
         rows.append(dict(kind="graph_step", case=f"N={N} T={T} HV={HV}", N=N, us=round(t, 2),
                          floor_us=round(floor, 2), launch_us=round(launch_us, 2),
