@@ -49,7 +49,7 @@ def main():
         wins[(N, T, HV)] = [window(N, T, H, HV, K, V, seed=i) for i in range(n)]
     grid = dict(bv=[8, 16, 32], kc=[1, 2, 4, 8], warps=[1, 2], stages=[None], fusion=[False, True])
     if args.quick:
-        grid = dict(bv=[8, 16, 32], kc=[1, 2, 4], warps=[1, 2], stages=[None], fusion=[False])
+        grid = dict(bv=[8, 16, 32], kc=[1, 2], warps=[1], stages=[None], fusion=[False])
     results = []
     for bv, kc, warps, stages, fusion in itertools.product(*grid.values()):
         per_thread = bv * K // (32 * warps)
