@@ -38,7 +38,7 @@ class LaunchConfig:
     ``compile_options``: extra options for every launch (e.g. ``grf_mode`` on Intel GPUs).
     """
 
-    gdn_block_v: int = 16
+    gdn_block_v: int = 8
     gdn_k_chunks: int = 2
     gdn_warps: int = 1
     gdn_stages: Optional[int] = None
