@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 import recoverssm as rs
 from recoverssm.core.registry import registry
+from recoverssm.cli_support import torch_threads
 
 REF = "cpu_ref"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
@@ -820,10 +821,5 @@ def _main(args: argparse.Namespace) -> int:
 
 def main(args: argparse.Namespace) -> int:
     """Run with ``args.threads`` torch threads, restoring the caller's setting afterwards."""
-    previous = torch.get_num_threads()
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    try:
+    with torch_threads(args.threads):
         return _main(args)
-    finally:
-        torch.set_num_threads(previous)

@@ -23,7 +23,6 @@ import torch
 import recoverssm
 from recoverssm.core.registry import ENV_BACKEND, registry
 
-BENCH_MISSING = "the benchmark lives in recoverssm/bench (not built yet)"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -158,14 +157,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(argv: Sequence[str]) -> int:
-    """Hand the arguments to ``recoverssm.bench.main`` (written separately)."""
-    try:
-        bench = importlib.import_module("recoverssm.bench")
-    except ModuleNotFoundError as e:
-        if e.name not in ("recoverssm.bench",):
-            raise                      # the benchmark exists but one of its imports is missing
-        print(BENCH_MISSING, file=sys.stderr)
-        return 2
+    """Hand the arguments to ``recoverssm.bench.main`` (imported only here)."""
+    from recoverssm import bench
     rc = bench.main(list(argv))
     return 0 if rc is None else int(rc)
 

@@ -39,6 +39,7 @@ import torch
 
 import recoverssm as rs
 from recoverssm.core.registry import registry
+from recoverssm.cli_support import torch_threads
 
 from .draft import NgramDraft
 from .model import ModelConfig, TinyGDN
@@ -424,6 +425,27 @@ def _summary(res: DemoResult) -> list[str]:
     ]
 
 
+def step_printers(out: Callable[[str], None], cfg: "DemoConfig", bar, prefill_note: str = ""):
+    """The demo's ``on_prefill`` and ``on_step`` callbacks: a header before the first step, then
+    one table line per step, and the progress bar advanced."""
+    header_done = False
+
+    def on_prefill(rounds: int) -> None:
+        out(f"prefill: prompts minus their last token in {rounds} verify+commit rounds, "
+            f"bit-identical to per-token decoding{prefill_note}")
+
+    def on_step(s: StepStats) -> None:
+        nonlocal header_done
+        if not header_done:
+            out("")
+            out(_header(cfg, cfg.requests))
+            header_done = True
+        out(_step_line(s))
+        bar.update(1, f"{sum(s.emitted)} tokens")
+
+    return on_prefill, on_step
+
+
 def _main(args: argparse.Namespace) -> int:
     for flag, value, low in (("--requests", args.requests, 1), ("--draft-tokens", args.draft_tokens, 0),
                              ("--steps", args.steps, 0), ("--layers", args.layers, 1)):
@@ -457,20 +479,7 @@ def _main(args: argparse.Namespace) -> int:
             f"(block size {cfg.block_sizes[1]}); align mode (prefix caching), one commit per step")
     else:
         out(f"one KV-cache group (block size {cfg.block_sizes[0]}); align mode (prefix caching)")
-    header_done = False
-
-    def on_prefill(rounds: int) -> None:
-        out(f"prefill: prompts minus their last token in {rounds} verify+commit rounds, "
-            f"bit-identical to per-token decoding")
-
-    def on_step(s: StepStats) -> None:
-        nonlocal header_done
-        if not header_done:
-            out("")
-            out(_header(cfg, cfg.requests))
-            header_done = True
-        out(_step_line(s))
-        bar.update(1, f"{sum(s.emitted)} tokens")
+    on_prefill, on_step = step_printers(out, cfg, bar)
 
     t0 = time.perf_counter()
     try:
@@ -497,10 +506,5 @@ def _main(args: argparse.Namespace) -> int:
 
 def main(args: argparse.Namespace) -> int:
     """Run with ``args.threads`` torch threads, restoring the caller's setting afterwards."""
-    previous = torch.get_num_threads()
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    try:
+    with torch_threads(args.threads):
         return _main(args)
-    finally:
-        torch.set_num_threads(previous)

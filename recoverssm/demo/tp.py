@@ -55,10 +55,11 @@ import torch.nn.functional as F
 
 import recoverssm as rs
 from recoverssm.core.registry import registry
+from recoverssm.cli_support import torch_threads
 
 from .model import LayerWeights, ModelConfig, TinyGDN, rmsnorm, rowwise
 from .progress import ProgressBar
-from .run import (DemoConfig, DemoMismatch, DemoResult, StepStats, _header, _step_line, _summary,
+from .run import (DemoConfig, DemoMismatch, DemoResult, StepStats, _summary, step_printers,
                   run_demo)
 
 #: NVLink multicast (NVLS) stays off on shared hosts: set before NCCL is initialised.
@@ -452,20 +453,7 @@ def _run(args, mcfg: ModelConfig, rank: int, world: int, device: torch.device, i
         f"of every layer (column-parallel in-projection, row-parallel out-projection + all_reduce); "
         f"embedding, MLP, head and sampling replicated")
     out(f"reference: each rank's own per-token path on the same shard (rs.gdn_decode, same all-reduces)")
-    header_done = False
-
-    def on_prefill(rounds: int) -> None:
-        out(f"prefill: prompts minus their last token in {rounds} verify+commit rounds, "
-            f"bit-identical to per-token decoding on every rank")
-
-    def on_step(s: StepStats) -> None:
-        nonlocal header_done
-        if not header_done:
-            out("")
-            out(_header(cfg, cfg.requests))
-            header_done = True
-        out(_step_line(s))
-        bar.update(1, f"{sum(s.emitted)} tokens")
+    on_prefill, on_step = step_printers(out, cfg, bar, prefill_note=" on every rank")
 
     t0 = time.perf_counter()
     try:
@@ -502,10 +490,5 @@ def _run(args, mcfg: ModelConfig, rank: int, world: int, device: torch.device, i
 
 def main(args: argparse.Namespace) -> int:
     """``recoverssm demo --tp N`` on this rank, with ``args.threads`` torch threads."""
-    previous = torch.get_num_threads()
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    try:
+    with torch_threads(args.threads):
         return _main(args)
-    finally:
-        torch.set_num_threads(previous)
