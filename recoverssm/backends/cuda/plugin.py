@@ -6,7 +6,7 @@ import torch
 from ...core.hookspecs import hookimpl
 from ...core.pointers import PointerEncoding
 from ..triton.backend import TritonBackend
-from ..triton.launch import LaunchConfig
+from ..triton.config import LaunchConfig
 
 
 class CudaBackend(TritonBackend):

@@ -1,5 +1,8 @@
 """The part of a Triton-based backend that does not depend on the GPU vendor.
 
+Kernels and launchers (which import Triton) are imported when an op runs, not when the backend is
+registered, so a machine without Triton still lists the backend, as unavailable.
+
 A GPU backend subclasses :class:`TritonBackend` and sets its name, device types, pointer
 encoding and launch table; the kernels and launchers are shared (``recoverssm/backends/triton``).
 """
@@ -11,8 +14,7 @@ from typing import Optional
 import torch
 
 from ...core.backend import Backend
-from . import launch
-from .launch import LaunchConfig, interpreting
+from .config import LaunchConfig, interpreting
 
 
 class TritonBackend(Backend):
@@ -51,12 +53,14 @@ class TritonBackend(Backend):
 
     def conv_verify(self, x, conv_state, weight, bias, state_indices, query_start_loc, silu,
                     null_slot, out):
+        from . import launch
         with self.device_guard(x.device):
             launch.conv_verify(self.launch_table[None], x, conv_state, weight, bias, state_indices,
                                query_start_loc, silu, null_slot, out)
 
     def gdn_recurrent(self, mode, q, k, v, state, state_indices, query_start_loc, gates, scale,
                       use_qk_l2norm, null_slot, out, records, snapshot_slots):
+        from . import launch
         with self.device_guard(q.device):
             launch.gdn_recurrent(self.config(q.shape[2], v.shape[2]), mode, q, k, v, state,
                                  state_indices, query_start_loc, gates, scale, use_qk_l2norm,
@@ -64,6 +68,7 @@ class TritonBackend(Backend):
 
     def plan_commit(self, num_accepted, state_indices, query_start_loc, request_indices,
                     block_table, num_computed_tokens, block_size, null_slot, num_slots, out):
+        from . import launch
         with self.device_guard(num_accepted.device):
             launch.plan_commit(self.launch_table[None], num_accepted, state_indices,
                                query_start_loc, request_indices, block_table, num_computed_tokens,
@@ -72,6 +77,7 @@ class TritonBackend(Backend):
     def make_committer(self, layers, num_groups, max_batch, null_slot):
         first = layers[0]
         cfg = self.config(first.key.shape[3], first.correction.shape[3])
+        from . import launch
         with self.device_guard(first.state.device):
             return launch.TritonCommitter(cfg, self.pointer_encoding, self.device_guard, layers,
                                           num_groups, max_batch, null_slot)

@@ -6,8 +6,6 @@ when a step brings new index tensors).
 """
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
@@ -16,47 +14,13 @@ import triton
 from ...core.backend import CommitLayer, Committer, GateInputs, GroupStep
 from ...core.pointers import PointerEncoding
 from . import commit as commit_kernels
+from .config import LaunchConfig, interpreting  # noqa: F401  (re-exported)
 from .commit import grouped_commit_kernel, plan_commit_kernel
 from .conv import conv_verify_kernel
 from .gdn import MODE_DECODE, MODE_SNAPSHOT, MODE_VERIFY, gdn_recurrent_kernel
 
 MODES = {"verify": MODE_VERIFY.value, "decode": MODE_DECODE.value, "snapshot": MODE_SNAPSHOT.value}
 INT32_MAX = 2**31 - 1
-
-
-def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    """Tile shapes and warps for one backend (one row of a backend's launch table).
-
-    ``gdn_block_v``: V rows per recurrence program; ``gdn_k_chunks``: K chunks kept in-thread;
-    ``commit_block_v``: V rows per commit program; ``conv_block``: channels per conv program.
-    ``compile_options``: extra options for every launch (e.g. ``grf_mode`` on Intel GPUs).
-    """
-
-    gdn_block_v: int = 8
-    gdn_k_chunks: int = 2
-    gdn_warps: int = 1
-    gdn_stages: Optional[int] = None
-    gdn_fp_fusion: bool = False
-    commit_block_v: int = 32
-    commit_warps: int = 1
-    conv_block: int = 128
-    conv_warps: int = 4
-    plan_block: int = 128
-    compile_options: dict = field(default_factory=dict)
-
-    def options(self, num_warps: int, num_stages: Optional[int] = None, fp_fusion: bool = False) -> dict:
-        # enable_fp_fusion=False: no multiply-add is contracted behind our back; every fused
-        # multiply-add of the contract is an explicit tl.fma (bit-identity depends on it).
-        opts = dict(num_warps=num_warps, enable_fp_fusion=fp_fusion, **self.compile_options)
-        if num_stages is not None:
-            opts["num_stages"] = num_stages
-        return opts
 
 
 def _pow2(n: int) -> int:

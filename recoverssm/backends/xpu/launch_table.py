@@ -6,7 +6,7 @@ fp32 state tile does not spill the register file, 8-lane-friendly warp counts, a
 register file mode (``grf_mode="large"``) that Intel's Triton backend accepts as a compile option.
 Change this table, not the kernels, when tuning on a real part.
 """
-from ..triton.launch import LaunchConfig
+from ..triton.config import LaunchConfig
 
 INTEL_DEFAULT = LaunchConfig(
     gdn_block_v=16,

@@ -12,7 +12,7 @@ import torch
 from ...core.hookspecs import hookimpl
 from ...core.pointers import PointerEncoding
 from ..triton.backend import TritonBackend
-from ..triton.launch import interpreting
+from ..triton.config import interpreting
 from . import device
 from .launch_table import INTERPRETER, LAUNCH_TABLE
 
