@@ -2,6 +2,7 @@
 
     python benchmarks/tune_commit.py
 """
+import functools
 import itertools
 import json
 import os
@@ -32,8 +33,8 @@ def main():
             if bv * K // (32 * warps) < 4 or bv * K // (32 * warps) > 128:
                 continue
             ctx._committer.cfg = LaunchConfig(commit_block_v=bv, commit_warps=warps)
-            us = median_us([lambda: ctx.commit(step.num_accepted, step.state_indices, step.query_start_loc, **kw)],
-                           iters=40)
+            us = median_us([functools.partial(ctx.commit, step.num_accepted, step.state_indices,
+                                              step.query_start_loc, **kw)], iters=40)
             row = dict(case=name, bv=bv, warps=warps, us=round(us, 1),
                        vs_copy=round(ceiling.us(traffic) / us, 3))
             results.append(row)

@@ -682,7 +682,7 @@ def check_plans(report: Report, backend, device, rng: random.Random, count: int 
 # ------------------------------------------------------------------------------------------------
 def cases(device: torch.device) -> list:
     """Small shapes everywhere (the Triton interpreter runs these on CPU); larger ones on a GPU."""
-    f32, bf16 = torch.float32, torch.bfloat16
+    bf16 = torch.bfloat16
     suite = [
         GdnCase(lengths=(4, 3, 0, 4), pad_rows=(3,)),
         GdnCase(lengths=(3, 1, 2), H=1, HV=2, K=16, V=8, gates="pre", l2norm=False),

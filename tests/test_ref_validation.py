@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import recoverssm as rs
-from helpers import (BF16, F32, assert_unchanged, clone_all, i32, make_problem)
+from helpers import (BF16, assert_unchanged, clone_all, i32, make_problem)
 
 META = torch.device("meta")
 NUM_SLOTS = 6

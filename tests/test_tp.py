@@ -22,7 +22,6 @@ import socket
 import subprocess
 import sys
 import time
-import traceback
 from datetime import timedelta
 
 import pytest
@@ -129,9 +128,9 @@ def run_ops(p: dict, shard: HeadShard | None = None) -> dict:
     """Verify + commit both steps with cpu_ref, on all heads (``shard=None``) or on one rank's
     shard. Returns every output, record and post-commit pool, per step and layer."""
     H, HV, K, V, T, R = p["H"], p["HV"], p["K"], p["V"], p["T"], p["R"]
-    ch = hv = h = None
+    ch = hv = None
     if shard is not None:
-        ch, hv, h = shard.conv_channels(), shard.v_heads, shard.heads
+        ch, hv = shard.conv_channels(), shard.v_heads
         H, HV = shard.local_H, shard.local_HV
 
     def chan(t, dim=1):

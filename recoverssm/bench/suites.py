@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import subprocess
 from typing import Callable
@@ -50,7 +51,7 @@ def bench_commit(ceiling: CopyCeiling, quick: bool, progress: Progress) -> list[
         ctx, caches = commit_context(G, L, R, T, H, HV, K, V, step.num_slots, dtype)
         kw = dict(block_table=step.block_table, num_computed_tokens=step.num_computed_tokens,
                   block_size=step.block_size)
-        call = lambda: ctx.commit(step.num_accepted, step.state_indices, step.query_start_loc, **kw)  # noqa: E731
+        call = functools.partial(ctx.commit, step.num_accepted, step.state_indices, step.query_start_loc, **kw)
         us = median_us([call], iters=60)
         layers = G * L
         accepted = step.num_accepted.sum().item()

@@ -11,7 +11,7 @@ import torch
 
 from .backend import Backend, GateInputs
 from .registry import registry
-from .types import CommitPlan, ReplayRecords
+from .types import ReplayRecords
 from .validation import FLOAT_DTYPES, STATE_DTYPES, Checker, wants_value_checks
 
 BackendArg = Union[str, Backend, None]

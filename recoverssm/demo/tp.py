@@ -444,7 +444,7 @@ def _run(args, mcfg: ModelConfig, rank: int, world: int, device: torch.device, i
         if lead:
             print(f"recoverssm demo: {e}", file=sys.stderr)
         return 2
-    shard = HeadShard(rank, world, mcfg.H, mcfg.HV, mcfg.K, mcfg.V)
+    HeadShard(rank, world, mcfg.H, mcfg.HV, mcfg.K, mcfg.V)   # raises early if the heads do not divide
     out(f"recoverssm demo --tp {world}: {cfg.requests} requests, k={cfg.draft_tokens} draft tokens, "
         f"{cfg.steps} steps; backend {backend.name} on {device.type} ({reason}); "
         f"{dist.get_backend()} process group of {world}")
@@ -452,7 +452,7 @@ def _run(args, mcfg: ModelConfig, rank: int, world: int, device: torch.device, i
     out(f"sharding: each rank holds H/{world} q/k heads, HV/{world} value heads and their conv channels "
         f"of every layer (column-parallel in-projection, row-parallel out-projection + all_reduce); "
         f"embedding, MLP, head and sampling replicated")
-    out(f"reference: each rank's own per-token path on the same shard (rs.gdn_decode, same all-reduces)")
+    out("reference: each rank's own per-token path on the same shard (rs.gdn_decode, same all-reduces)")
     on_prefill, on_step = step_printers(out, cfg, bar, prefill_note=" on every rank")
 
     t0 = time.perf_counter()

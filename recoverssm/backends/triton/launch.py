@@ -6,7 +6,7 @@ when a step brings new index tensors).
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 import triton
