@@ -116,11 +116,25 @@ class Report:
 # random problems (built on CPU)
 # ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class GdnCase:
+class _Rows:
+    """A batch described by its rows' window lengths."""
+
+    lengths: tuple[int, ...]
+
+    @property
+    def B(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def T(self) -> int:
+        return max(max(self.lengths), 1)
+
+
+@dataclass(frozen=True)
+class GdnCase(_Rows):
     """A batch of windows for one GDN layer. ``lengths[r]``: tokens of row ``r`` (0 allowed);
     ``pad_rows``: rows whose ``state_indices`` is the null slot."""
 
-    lengths: tuple[int, ...]
     H: int = 2
     HV: int = 4
     K: int = 16
@@ -130,14 +144,6 @@ class GdnCase:
     act_dtype: torch.dtype = torch.float32
     gates: str = "raw"
     l2norm: bool = True
-
-    @property
-    def B(self) -> int:
-        return len(self.lengths)
-
-    @property
-    def T(self) -> int:
-        return max(max(self.lengths), 1)
 
     @property
     def label(self) -> str:
@@ -349,18 +355,15 @@ def check_gdn(report: Report, case: GdnCase, backend, device, gen) -> None:
 # conv_verify
 # ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class ConvCase:
-    lengths: tuple[int, ...]
+class ConvCase(_Rows):
+    """Windows of a causal conv layer of ``dim`` channels."""
+
     dim: int = 96
     width: int = 4
     pad_rows: tuple[int, ...] = ()
     act_dtype: torch.dtype = torch.float32
     silu: bool = True
     bias: bool = True
-
-    @property
-    def T(self) -> int:
-        return max(max(self.lengths), 1)
 
     @property
     def label(self) -> str:
@@ -411,11 +414,10 @@ def check_conv(report: Report, case: ConvCase, backend, device, gen) -> None:
 # align-mode grouped commit: conv + GDN layers in two KV-cache groups, as an engine runs them
 # ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class AlignCase:
+class AlignCase(_Rows):
     """``lengths[r]``: window of batch row ``r``; row ``r`` serves request ``request_of[r]`` (all
     requests, permuted, when ``permute``). Layer ``l`` belongs to group ``l % 2``."""
 
-    lengths: tuple[int, ...]
     block_sizes: tuple[int, int] = (4, 3)
     layers: int = 3
     H: int = 2
@@ -427,14 +429,6 @@ class AlignCase:
     permute: bool = False
     pad_row: bool = False
     unallocated: bool = True
-
-    @property
-    def B(self) -> int:
-        return len(self.lengths)
-
-    @property
-    def T(self) -> int:
-        return max(max(self.lengths), 1)
 
     @property
     def label(self) -> str:
@@ -712,7 +706,6 @@ def cases(device: torch.device) -> list:
 def run_check(backend_name: Optional[str], device: torch.device, seed: int = 0,
               on_case: Optional[Callable[[str], None]] = None) -> tuple[Report, object, str]:
     """Run the suite; returns ``(report, backend, reason)``."""
-    registry().backends()        # load the plugins before resolving (see recoverssm.demo.run.main)
     backend, reason = registry().resolve(backend_name, device)
     report = Report()
     gen = torch.Generator().manual_seed(seed)

@@ -242,7 +242,6 @@ def run_demo(cfg: DemoConfig, on_step: Optional[Callable[[StepStats], None]] = N
     if cfg.requests < 1 or cfg.draft_tokens < 0 or cfg.steps < 0 or cfg.model.num_layers < 1:
         raise ValueError("requests and layers must be >= 1, draft_tokens and steps >= 0")
     device = torch.device(cfg.device)
-    registry().backends()      # load the plugins first (see main)
     backend, reason = registry().resolve(cfg.backend, device)
     ref_conv = cfg.ref_conv
     if ref_conv == "auto":
@@ -464,9 +463,6 @@ def _main(args: argparse.Namespace) -> int:
             bar.print(line)
 
     try:
-        # Load the plugins before resolving: the default-backend hook only answers once they are
-        # registered (on a first call, resolve() would otherwise fall back to "first available").
-        registry().backends()
         backend, reason = registry().resolve(cfg.backend, cfg.device)
     except (rs.BackendError, RuntimeError) as e:
         print(f"recoverssm demo: {e}", file=sys.stderr)

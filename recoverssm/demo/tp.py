@@ -438,7 +438,6 @@ def _run(args, mcfg: ModelConfig, rank: int, world: int, device: torch.device, i
             bar.print(line)
 
     try:
-        registry().backends()
         backend, reason = registry().resolve(cfg.backend, device)
     except (rs.BackendError, RuntimeError) as e:
         if lead:
