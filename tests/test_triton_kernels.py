@@ -358,3 +358,39 @@ def test_large_batch_commit_vs_snapshot(HV, T, state_dtype):
             m = min(n, lens[r])
             if slot >= 0:
                 assert torch.equal(committed[slot], snap_state[snap[r, m - 1]]), (n, r)
+
+
+@pytest.mark.parametrize("s", [
+    pytest.param(dict(device="cpu", H=2, HV=4, Ks=[16, 32]), marks=pytest.mark.interpreter, id="interp"),
+    pytest.param(dict(device="cuda", H=4, HV=8, Ks=[32, 64, 128]), marks=pytest.mark.gpu, id="gpu"),
+])
+def test_commit_matches_decode_whatever_the_input_alignment(s):
+    """Verify reads q/k/v through views that are not 16-byte aligned (an odd column offset into a
+    fused projection); the native path gets packed copies. The launcher packs misaligned inputs, so
+    both run the same binary and commit == decode bit for bit (this differed at K = 32 and 64 before
+    the kernel stopped specializing on token-input alignment)."""
+    device, H, HV = s["device"], s["H"], s["HV"]
+    for K in s["Ks"]:
+        V, T, lens = K, 4, [4, 3, 4, 2]
+        total = sum(lens)
+        g = torch.Generator().manual_seed(K)
+        fused = torch.randn(total, 1 + 2 * H * K + HV * V, generator=g).to(device)
+        q = fused[:, 1:1 + H * K].view(total, H, K)
+        k = fused[:, 1 + H * K:1 + 2 * H * K].view(total, H, K)
+        v = fused[:, 1 + 2 * H * K:].view(total, HV, V)
+        assert q.data_ptr() % 16 != 0
+        gates = dict(a=torch.randn(total, HV, generator=g).to(device), b=torch.randn(total, HV, generator=g).to(device),
+                     A_log=torch.randn(HV, generator=g).to(device), dt_bias=torch.randn(HV, generator=g).to(device))
+        state = torch.randn(len(lens) + 2, HV, V, K, generator=g).to(device)
+        slots = torch.tensor([1, 2, 3, 4], dtype=torch.int32, device=device)
+        qsl = torch.tensor([0, 4, 7, 11, 13], dtype=torch.int32, device=device)
+        rec = rs.ReplayRecords.allocate(len(lens), T, H, HV, K, V, device=device)
+        rs.gdn_verify(q, k, v, state=state, state_indices=slots, query_start_loc=qsl, records=rec,
+                      backend="cuda", **gates)
+        committed = state.clone()
+        ctx = rs.CommitContext([[rs.LayerCache(committed, rec)]], max_batch=len(lens), backend="cuda")
+        ctx.commit(torch.full((len(lens),), T, dtype=torch.int32, device=device), slots, qsl)
+        native = state.clone()
+        rs.gdn_decode(q.contiguous(), k.contiguous(), v.contiguous(), state=native, state_indices=slots,
+                      query_start_loc=qsl, backend="cuda", **gates)
+        assert torch.equal(committed, native), K
