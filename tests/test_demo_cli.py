@@ -17,14 +17,13 @@ from recoverssm.core.hookspecs import hookimpl
 from recoverssm.core.registry import registry
 from recoverssm.demo import DemoConfig, DemoMismatch, ModelConfig, run_demo
 from recoverssm.demo.spec import SpecEngine
+from recoverssm.cli_support import torch_threads
 
 @pytest.fixture(autouse=True)
 def one_thread():
     """The demo's ops are tiny: one intra-op thread is much faster (and restored afterwards)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+    with torch_threads(1):
+        yield
 
 
 TINY = ModelConfig(vocab=64, hidden=32, num_layers=2, H=1, HV=2, K=8, V=8, mlp_hidden=32)

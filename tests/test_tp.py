@@ -35,6 +35,7 @@ from recoverssm.demo import DemoConfig, DemoMismatch, ModelConfig, TinyGDN, run_
 from recoverssm.demo.reference import ReferenceEngine
 from recoverssm.demo.spec import SpecEngine
 from recoverssm.demo.tp import HeadShard, ShardedTinyGDN, TPSetupError, run_tp_demo, shard_config
+from recoverssm.cli_support import torch_threads
 
 WORLD = 2
 I32 = torch.int32
@@ -54,10 +55,8 @@ OP_CASES = {
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+    with torch_threads(1):
+        yield
 
 
 def _loopback_env() -> None:

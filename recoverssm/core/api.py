@@ -189,13 +189,11 @@ def gdn_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, state: torc
     return out
 
 
-def _written_slots_distinct(c: Checker, name: str, writes: list[tuple[int, int]], sources):
+def _written_slots_distinct(c: Checker, name: str, writes: list[tuple[int, int]],
+                            sources: list[tuple[int, int]]):
     """Refuse two writes to one slot, or a write to a slot another row reads (a race on a GPU).
 
-    ``sources``: the ``(row, slot)`` pairs the rows read (several rows may read one slot), or a
-    ``{slot: row}`` dict."""
-    if isinstance(sources, dict):
-        sources = [(row, slot) for slot, row in sources.items()]
+    ``writes`` and ``sources``: ``(row, slot)`` pairs (several rows may read one slot)."""
     readers: dict[int, list[int]] = {}
     for row, slot in sources:
         readers.setdefault(slot, []).append(row)
@@ -231,7 +229,7 @@ def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, state: torc
         qsl = c.query_start_loc("query_start_loc", query_start_loc, dims[0], None)
         writes = [(r, s) for r, s in enumerate(state_indices.tolist())
                   if s > null_slot and qsl[r + 1] > qsl[r]]
-        _written_slots_distinct(c, "state_indices", writes, {})
+        _written_slots_distinct(c, "state_indices", writes, [])
     be = _resolve(backend, q.device)
     out = _finish_out(out, v)
     be.gdn_recurrent("decode", q, k, v, state, state_indices, query_start_loc, gates, scale,

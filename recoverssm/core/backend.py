@@ -49,10 +49,6 @@ class Backend(ABC):
         """True when this backend can run on tensors of ``device_type``."""
         return device_type in self.device_types
 
-    def encode_pointers(self, addresses: Sequence[int]) -> torch.Tensor:
-        """Pack device addresses into an int64 CPU tensor with this backend's encoding."""
-        return self.pointer_encoding.encode(addresses)
-
     # ---- kernel-facing ops (tensors and scalars in, named tensors mutated) ---------------------
     @abstractmethod
     def conv_verify(self, x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
