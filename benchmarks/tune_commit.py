@@ -14,6 +14,7 @@ from recoverssm.bench.problems import align_step, commit_context
 from recoverssm.bench.timing import CopyCeiling, median_us
 
 H, K, V = 16, 128, 128
+BLOCK_V, WARPS = [16, 32, 64], [1, 2, 4]
 
 
 def main():
@@ -29,7 +30,7 @@ def main():
         traffic = G * L * (state * (2 * R + step.boundaries) + accepted * (48 * V + H * K + 48) * 4)
         kw = dict(block_table=step.block_table, num_computed_tokens=step.num_computed_tokens,
                   block_size=step.block_size)
-        for bv, warps in itertools.product([8, 16, 32, 64, 128], [1, 2, 4, 8]):
+        for bv, warps in itertools.product(BLOCK_V, WARPS):
             if bv * K // (32 * warps) < 4 or bv * K // (32 * warps) > 128:
                 continue
             ctx._committer.cfg = LaunchConfig(commit_block_v=bv, commit_warps=warps)

@@ -24,7 +24,7 @@ from triton.compiler import ASTSource
 from recoverssm.backends.triton.commit import grouped_commit_kernel, plan_commit_kernel
 from recoverssm.backends.triton.conv import conv_verify_kernel
 from recoverssm.backends.triton.gdn import gdn_recurrent_kernel
-from recoverssm.backends.triton.launch import LaunchConfig
+from recoverssm.backends.triton.launch import LaunchConfig, recurrence_tile
 
 
 def _signature(fn, pointer_types: dict[str, str], constexprs: dict, default: str = "i32"):
@@ -44,11 +44,10 @@ def _signature(fn, pointer_types: dict[str, str], constexprs: dict, default: str
     return sig, attrs
 
 
-def compile_one(fn, constexprs, pointer_types, num_warps, arch):
+def compile_one(fn, constexprs, pointer_types, options, arch):
     sig, attrs = _signature(fn, pointer_types, constexprs)
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                              options=dict(num_warps=num_warps, enable_fp_fusion=False))
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     return _resource_usage(compiled.asm["cubin"])
 
 
@@ -72,24 +71,25 @@ def cases(cfg: LaunchConfig, K=128, V=128, H=16, HV=48):
                                 "request_indices_ptr", "block_table_ptr", "num_computed_ptr",
                                 "commit_len_ptr", "final_ptr", "boundary_ptr", "boundary_len_ptr")}
     f32 = {"scale": "fp32"}
+    tile = recurrence_tile(cfg, K, V)
     for state in ("*fp32", "*bf16"):
         for gates in (False, True):
             yield (f"gdn_recurrent precomputed={gates} state={state}", gdn_recurrent_kernel,
-                   dict(H=H, HV=HV, K=K, V=V, K_PAD=K, K_CHUNKS=cfg.gdn_k_chunks, BV=cfg.gdn_block_v,
-                        GATES_PRECOMPUTED=gates, USE_L2NORM=True, ALIGNED=True),
+                   dict(H=H, HV=HV, K=K, V=V, K_PAD=tile.k_pad, K_INNER=tile.k_inner, ROWS=tile.rows,
+                        ROW_LANES=tile.row_lanes, GATES_PRECOMPUTED=gates, USE_L2NORM=True, ALIGNED=True),
                    {**ints, **f32, "state_ptr": state, "q_ptr": "*bf16", "k_ptr": "*bf16",
                     "v_ptr": "*bf16", "out_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16"},
-                   cfg.gdn_warps)
+                   cfg.options(cfg.gdn_warps, cfg.gdn_stages, cfg.gdn_max_registers))
     yield ("conv_verify", conv_verify_kernel,
            dict(WIDTH=4, BD=cfg.conv_block, HAS_BIAS=True, SILU=True),
            {**ints, "x_ptr": "*bf16", "conv_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16",
-            "out_ptr": "*bf16"}, cfg.conv_warps)
-    yield ("plan_commit", plan_commit_kernel, dict(BLOCK=cfg.plan_block), {**ints, "bt_stride": "i64"}, 4)
+            "out_ptr": "*bf16"}, cfg.options(cfg.conv_warps))
+    yield ("plan_commit", plan_commit_kernel, dict(BLOCK=cfg.plan_block), {**ints, "bt_stride": "i64"}, cfg.options(4))
     for state, st in (("fp32", tl.float32), ("bf16", tl.bfloat16)):
         yield (f"grouped_commit state={state}", grouped_commit_kernel,
                dict(H=H, HV=HV, K=K, V=V, K_PAD=K, BV=cfg.commit_block_v, BD=cfg.conv_block,
                     CONV_COLS=4, STATE_DTYPE=st, CONV_DTYPE=tl.bfloat16, ALIGNED=True),
-               {**ints, "layer_table_ptr": "*i64", "group_table_ptr": "*i64"}, cfg.commit_warps)
+               {**ints, "layer_table_ptr": "*i64", "group_table_ptr": "*i64"}, cfg.options(cfg.commit_warps))
 
 
 def main(argv=None) -> int:
@@ -99,10 +99,10 @@ def main(argv=None) -> int:
     from recoverssm.backends.cuda.plugin import CudaBackend
     cfg = CudaBackend.launch_table[None]
     failed = 0
-    for name, fn, constexprs, ptypes, warps in cases(cfg):
+    for name, fn, constexprs, ptypes, options in cases(cfg):
         try:
-            regs, spills = compile_one(fn, constexprs, ptypes, warps, args.arch)
-            print(f"{name:40s} warps={warps} regs={regs:4d} stack bytes={spills}")
+            regs, spills = compile_one(fn, constexprs, ptypes, options, args.arch)
+            print(f"{name:40s} warps={options['num_warps']} regs={regs:4d} stack bytes={spills}")
         except Exception as exc:  # noqa: BLE001 - report every kernel, fail at the end
             failed += 1
             print(f"{name:40s} FAILED: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")

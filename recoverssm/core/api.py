@@ -63,7 +63,6 @@ def conv_verify(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
         c.tensor("bias", bias, dtypes=FLOAT_DTYPES, shape=(dim,))
     if activation not in CONV_ACTIVATIONS:
         c.fail("activation", f"must be 'silu' or None, got {activation!r}")
-    c.tensor("state_indices", state_indices, dims=1)
     c.index("state_indices", state_indices)
     B = state_indices.shape[0]
     c.index("query_start_loc", query_start_loc, B + 1)
@@ -100,7 +99,6 @@ def _check_gdn(op, q, k, v, state, state_indices, query_start_loc, a, b, A_log, 
     if HV % H:
         c.fail("v", f"has {HV} value heads, not a multiple of the {H} q/k heads")
     c.tensor("state", state, dims=4, dtypes=STATE_DTYPES, shape=(None, HV, V, K), last_contiguous=True)
-    c.tensor("state_indices", state_indices, dims=1)
     c.index("state_indices", state_indices)
     B = state_indices.shape[0]
     c.index("query_start_loc", query_start_loc, B + 1)

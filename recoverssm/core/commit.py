@@ -20,13 +20,25 @@ PerGroup = Union[object, Sequence[object]]
 
 
 def _check_step_shapes(c: Checker, num_accepted, state_indices, query_start_loc, request_indices,
-                       block_table, num_computed_tokens, block_size, suffix: str = ""):
-    """Shape/dtype checks of one group's step metadata. Returns ``(B, block_size)``."""
-    c.tensor("num_accepted", num_accepted, dims=1)
-    c.index("num_accepted", num_accepted)
+                       block_table, num_computed_tokens, block_size, suffix: str = "",
+                       checked: Optional[set] = None):
+    """Shape/dtype checks of one group's step metadata. Returns ``(B, block_size)``.
+
+    ``checked``: ids of tensors this call has already passed through the same checks (groups
+    usually share ``num_accepted``, ``query_start_loc`` and often their index tensors); they are
+    skipped, and the ids of the tensors checked here are added."""
+    checked = set() if checked is None else checked
+
+    def first_time(x) -> bool:
+        new = id(x) not in checked
+        checked.add(id(x))
+        return new
+
+    if first_time(num_accepted):
+        c.index("num_accepted", num_accepted)
     num_requests = num_accepted.shape[0]
-    c.tensor("state_indices" + suffix, state_indices, dims=1)
-    c.index("state_indices" + suffix, state_indices)
+    if first_time(state_indices):
+        c.index("state_indices" + suffix, state_indices)
     B = state_indices.shape[0]
     c.index("query_start_loc", query_start_loc, B + 1)
     if request_indices is not None:
@@ -38,12 +50,14 @@ def _check_step_shapes(c: Checker, num_accepted, state_indices, query_start_loc,
         c.fail("num_computed_tokens" + suffix if block_table is not None else "block_table" + suffix,
                "is required in align mode: pass block_table and num_computed_tokens together")
     if block_table is not None:
-        c.tensor("block_table" + suffix, block_table, dims=2, dtypes=(torch.int32,), last_contiguous=True)
+        if first_time(block_table):
+            c.tensor("block_table" + suffix, block_table, dims=2, dtypes=(torch.int32,), last_contiguous=True)
         if block_table.shape[0] != num_requests:
             c.fail("block_table" + suffix, f"has {block_table.shape[0]} rows, num_accepted has {num_requests} requests")
         if block_table.shape[1] < 1:
             c.fail("block_table" + suffix, "has no columns")
-        c.index("num_computed_tokens" + suffix, num_computed_tokens, num_requests)
+        if first_time(num_computed_tokens):
+            c.index("num_computed_tokens" + suffix, num_computed_tokens, num_requests)
         if block_size is None:
             c.fail("block_size" + suffix, "is required in align mode")
         block_size = c.integer("block_size" + suffix, block_size, minimum=1)
@@ -217,11 +231,13 @@ class CommitContext:
             ("block_size", block_size))}
         steps = []
         values = wants_value_checks(check, self.device)
+        checked: set = set()
         for gi in range(G):
             suffix = f"[{gi}]" if G > 1 else ""
             args = [per[n][gi] for n in ("state_indices", "request_indices", "block_table",
                                           "num_computed_tokens", "block_size")]
-            B, bs = _check_step_shapes(c, num_accepted, args[0], query_start_loc, *args[1:], suffix=suffix)
+            B, bs = _check_step_shapes(c, num_accepted, args[0], query_start_loc, *args[1:], suffix=suffix,
+                                       checked=checked)
             if B > self.max_batch:
                 c.fail("state_indices" + suffix, f"has {B} rows, more than max_batch = {self.max_batch}")
             if gi and B != steps[0].state_indices.shape[0]:

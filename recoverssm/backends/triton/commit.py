@@ -116,14 +116,31 @@ def table_pointer(table_row, column, DTYPE: tl.constexpr, ALIGNED: tl.constexpr)
 
 
 @triton.jit
+def load_record(corr_row, key_row, decay_row, t, valid, offs_v, mask_v, offs_k, mask_k,
+                V: tl.constexpr, K: tl.constexpr):
+    """Window position ``t``'s replay record; where not ``valid``, nothing past position 0 is read
+    (the values are then unused)."""
+    correction = tl.load(corr_row + t * V + offs_v, mask=tl.where(valid, mask_v, False), other=0.0)
+    k_hat = tl.load(key_row + t * K + offs_k, mask=tl.where(valid, mask_k, False), other=0.0)
+    decay = tl.load(decay_row + tl.where(valid, t, 0))
+    return correction, k_hat, decay
+
+
+@triton.jit
 def replay_tokens(S, corr_row, key_row, decay_row, first, last, offs_v, mask_v, offs_k, mask_k,
                   V: tl.constexpr, K: tl.constexpr):
-    """``S = fma(c_t, k^_t, S * d_t)`` for window positions ``first <= t < last`` (``[BV, K_PAD]`` tile)."""
+    """``S = fma(c_t, k^_t, S * d_t)`` for window positions ``first <= t < last`` (``[BV, K_PAD]`` tile).
+
+    The next position's record is loaded while the current one is applied: otherwise every
+    token waits a full memory latency for its few hundred bytes, which is what bounded the bf16
+    commit (half the state bytes per tile, the same chain of record loads)."""
+    correction, k_hat, decay = load_record(corr_row, key_row, decay_row, first, first < last,
+                                           offs_v, mask_v, offs_k, mask_k, V, K)
     for t in range(first, last):
-        correction = tl.load(corr_row + t * V + offs_v, mask=mask_v, other=0.0)
-        k_hat = tl.load(key_row + t * K + offs_k, mask=mask_k, other=0.0)
-        decay = tl.load(decay_row + t)
+        next_correction, next_k_hat, next_decay = load_record(
+            corr_row, key_row, decay_row, t + 1, t + 1 < last, offs_v, mask_v, offs_k, mask_k, V, K)
         S = tl.fma(correction[:, None], k_hat[None, :], S * decay)
+        correction, k_hat, decay = next_correction, next_k_hat, next_decay
     return S
 
 

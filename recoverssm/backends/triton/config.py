@@ -20,16 +20,20 @@ def interpreting() -> bool:
 class LaunchConfig:
     """Tile shapes and warps for one backend (one row of a backend's launch table).
 
-    ``gdn_block_v``: V rows per recurrence program; ``gdn_k_chunks``: K chunks kept in-thread;
+    ``gdn_lanes_k``: lanes of a warp along K in the recurrence tile (the rest go along V);
+    ``gdn_rows``: V rows each thread holds (a program covers ``gdn_rows * 32 / gdn_lanes_k`` rows
+    per warp); ``gdn_max_registers``: a register cap per thread for the recurrence (Triton's
+    ``maxnreg``; without one the compiler takes more than the kernel needs, at the cost of
+    occupancy);
     ``commit_block_v``: V rows per commit program; ``conv_block``: channels per conv program.
     ``compile_options``: extra options for every launch (e.g. ``grf_mode`` on Intel GPUs).
     """
 
-    gdn_block_v: int = 8
-    gdn_k_chunks: int = 2
+    gdn_lanes_k: int = 32
+    gdn_rows: int = 8
     gdn_warps: int = 1
     gdn_stages: Optional[int] = None
-    gdn_fp_fusion: bool = False
+    gdn_max_registers: Optional[int] = None
     commit_block_v: int = 32
     commit_warps: int = 1
     conv_block: int = 128
@@ -37,10 +41,15 @@ class LaunchConfig:
     plan_block: int = 128
     compile_options: dict = field(default_factory=dict)
 
-    def options(self, num_warps: int, num_stages: Optional[int] = None, fp_fusion: bool = False) -> dict:
+    def options(self, num_warps: int, num_stages: Optional[int] = None,
+                max_registers: Optional[int] = None) -> dict:
         # enable_fp_fusion=False: no multiply-add is contracted behind our back; every fused
-        # multiply-add of the contract is an explicit tl.fma (bit-identity depends on it).
-        opts = dict(num_warps=num_warps, enable_fp_fusion=fp_fusion, **self.compile_options)
+        # multiply-add of the contract is an explicit tl.fma. Bit-identity depends on it: with
+        # contraction on, verify and decode of one compiled recurrence kernel disagreed on the
+        # H200 (the compiler may contract differently in the code it specializes per mode).
+        opts = dict(num_warps=num_warps, enable_fp_fusion=False, **self.compile_options)
         if num_stages is not None:
             opts["num_stages"] = num_stages
+        if max_registers is not None:
+            opts["maxnreg"] = max_registers
         return opts

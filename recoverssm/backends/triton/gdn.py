@@ -1,20 +1,33 @@
 """Gated DeltaNet recurrence kernel: verify, native decode and snapshot in one source.
 
-One program owns one (batch row, value head, BV-slice of V) state tile and walks the row's window
+One program owns one (batch row, value head, BV rows of V) state tile and walks the row's window
 token by token with the tile in fp32 registers. The three modes are a *runtime* switch of one
 compiled kernel, and the per-token step is one ``@triton.jit`` helper, so verify's records hold
-exactly the ``c_t`` the native paths compute (same machine code, same reduction tree) and a commit
-of them is bit-identical.
+exactly the ``c_t`` the native paths compute (same machine code, same reduction order) and a
+commit of them is bit-identical.
 
-The tile is held as ``[K_CHUNKS, BV, K_INNER]`` (``K = K_CHUNKS * K_INNER``): each thread keeps
-``K_CHUNKS`` chunks of its rows, the lanes spread over ``K_INNER`` and the rows. The compiler
-lays the step out like the per-token k/q loads (converting the state tile once, before the loop),
-so those loads' shape and alignment decide how a reduction over K splits between in-thread adds
-and lane shuffles.
+**Tile layout.** The tile is ``[ROWS, K_CHUNKS, ROW_LANES, K_INNER]``: V row
+``ROWS_index * ROW_LANES + lane`` and K column ``chunk * K_INNER + inner``. Loads are 4 elements
+wide along ``K_INNER``, so a warp's lanes split into ``K_INNER / 4`` lanes along K and
+``ROW_LANES`` lanes along V, and every thread keeps ``ROWS x K_CHUNKS`` groups of 4 K-contiguous
+elements. That choice is the whole performance story of this kernel:
 
-Kernels are compiled with ``enable_fp_fusion=False`` (see ``launch.py``): every fused multiply-add
-is an explicit ``tl.fma`` and no other multiply is contracted, which keeps the rounding order of
-contract section 2 on every compiler.
+* a reduction over K is mostly in-thread fused multiply-adds (``sum_over_k`` adds the chunks
+  first), with only ``log2(K_INNER / 4)`` shuffle steps per row;
+* ``k`` and ``q`` are loaded *already broadcast* over the ``ROW_LANES`` axis (the same 256 bytes
+  for every lane group, served by L1), in exactly the layout of the state tile, so the compiler
+  never has to convert the state between layouts; their normalization is shared by the ``ROWS``
+  rows each thread holds.
+
+(The earlier tile ``[K_CHUNKS, BV, K_INNER]`` with un-broadcast k/q let the compiler lay the state
+out like the k/q loads: 32 lanes along K, five shuffle steps per row and reduction, and more than
+twice the instructions per token; see docs/BENCHMARKS.md.)
+
+**Rounding.** Products inside a reduction may be contracted into fused multiply-adds (the kernel
+is compiled with fp fusion on; ``gdn_fp_fusion`` in the launch config), everything else the
+contract rounds separately is kept separate: ``S' = S * d`` is one multiply whose result is both
+reduced and updated, and the update is an explicit ``tl.fma``. Whatever the compiler chooses,
+verify, decode and snapshot execute the same instructions on the same values.
 """
 import triton
 import triton.language as tl
@@ -30,20 +43,52 @@ SOFTPLUS_THRESHOLD = tl.constexpr(20.0)
 
 
 @triton.jit
-def sum_over_k(x):
-    """Sum a ``[K_CHUNKS, BV, K_INNER]`` tile over both K axes -> ``[BV]``."""
-    return tl.sum(tl.sum(x, axis=2), axis=0)
+def load_masked(ptrs, mask, EXACT: tl.constexpr):
+    """``tl.load`` that skips the mask when the tile is known to be exactly in bounds (saves the
+    predicate registers and instructions of the common K = V = 128 case)."""
+    if EXACT:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=mask, other=0.0)
 
 
 @triton.jit
-def l2_normalize(x):
-    """``x / sqrt(sum(x^2) + eps)`` over K of a ``[K_CHUNKS, 1, K_INNER]`` vector.
+def store_masked(ptrs, value, mask, EXACT: tl.constexpr):
+    if EXACT:
+        tl.store(ptrs, value)
+    else:
+        tl.store(ptrs, value, mask=mask)
 
-    The hardware's fast sqrt and divide (a few ulp) rather than IEEE ``sqrt_rn``/``div_rn``: those
-    are subroutines that cost the kernel 26 to 80 registers (measured with ci/compile_kernels.py),
-    hence occupancy; the normalized key is recorded, so the commit replays it exactly either way."""
-    norm = tl.sqrt(sum_over_k(x * x) + L2NORM_EPS)
-    return x / norm[None, :, None]
+
+@triton.jit
+def dot_over_k(x, y):
+    """``sum over K of x * y`` for ``[R | 1, K_CHUNKS, ROW_LANES, K_INNER]`` tiles -> ``[R, ROW_LANES]``.
+
+    Each thread holds K in groups of 4 consecutive elements; a group is folded with an explicit
+    fused multiply-add chain (the kernels are compiled without automatic contraction, which would
+    otherwise leave a multiply and an add per element), then the chunks a thread holds, then the
+    lanes. Splitting the last axis into its 4 group members only renames registers."""
+    R: tl.constexpr = x.shape[0] if x.shape[0] > y.shape[0] else y.shape[0]
+    KC: tl.constexpr = x.shape[1]
+    RL: tl.constexpr = x.shape[2]
+    KI: tl.constexpr = x.shape[3]
+    x01, x23 = tl.split(tl.reshape(tl.broadcast_to(x, [R, KC, RL, KI]), [R, KC, RL, KI // 4, 2, 2]))
+    y01, y23 = tl.split(tl.reshape(tl.broadcast_to(y, [R, KC, RL, KI]), [R, KC, RL, KI // 4, 2, 2]))
+    x0, x1 = tl.split(x01)
+    x2, x3 = tl.split(x23)
+    y0, y1 = tl.split(y01)
+    y2, y3 = tl.split(y23)
+    group = tl.fma(x3, y3, tl.fma(x2, y2, tl.fma(x1, y1, x0 * y0)))    # [R, KC, RL, KI // 4]
+    return tl.sum(tl.sum(group, axis=1), axis=2)
+
+
+@triton.jit
+def inverse_l2_norm(x):
+    """``1 / sqrt(sum(x^2) + eps)`` over K of a ``[1, K_CHUNKS, ROW_LANES, K_INNER]`` vector,
+    shaped to multiply it. The hardware's reciprocal square root (about 2 ulp) rather than IEEE
+    ``sqrt_rn``/``div_rn``: those are subroutines that cost registers, hence occupancy; the
+    normalized key is recorded, so the commit replays it exactly either way."""
+    return tl.rsqrt(dot_over_k(x, x) + L2NORM_EPS)[:, None, :, None]
 
 
 @triton.jit
@@ -58,51 +103,48 @@ def softplus(x):
 
 @triton.jit
 def delta_rule_step(S, k_hat, q_hat, v, beta, decay):
-    """One token of the gated delta rule on a ``[K_CHUNKS, BV, K_INNER]`` fp32 state tile.
+    """One token of the gated delta rule on a ``[R, K_CHUNKS, ROW_LANES, K_INNER]`` fp32 tile.
 
-    ``k_hat``, ``q_hat``: ``[K_CHUNKS, 1, K_INNER]``; ``v``: ``[BV]``; ``beta``, ``decay``: scalars.
-    Returns the new tile, the correction ``c_t`` ``[BV]`` (the replay record) and the output.
+    ``k_hat``, ``q_hat``: ``[1, K_CHUNKS, ROW_LANES, K_INNER]``; ``v``: ``[R, ROW_LANES]``;
+    ``beta``, ``decay``: scalars. Returns the new tile, the correction ``c_t`` ``[R, ROW_LANES]``
+    (the replay record) and the output.
 
     The output uses ``S_new q = S' q + c (k . q)``: both reductions then read ``S'`` and run side
     by side instead of one after the other. Verify and the native paths share this function, so
     ``c_t`` is bit-identical between them; the output differs from ``S_new q`` by rounding only.
     """
     S = S * decay
-    predicted = sum_over_k(S * k_hat)
-    partial_out = sum_over_k(S * q_hat)
+    predicted = dot_over_k(S, k_hat)
+    partial_out = dot_over_k(S, q_hat)
     correction = beta * (v - predicted)
-    S = tl.fma(correction[None, :, None], k_hat, S)
-    k_dot_q = sum_over_k(k_hat * q_hat)
+    S = tl.fma(correction[:, None, :, None], k_hat, S)
+    k_dot_q = dot_over_k(k_hat, q_hat)
     out = tl.fma(correction, k_dot_q, partial_out)
     return S, correction, out
 
 
 @triton.jit
-def load_token(tok, ready, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, neg_A, dt_bias,
+def load_token(tok, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, neg_A, dt_bias,
                stride_q_t, stride_k_t, stride_v_t, stride_a_t, stride_b_t, q_head, k_head, v_head,
-               hv, offs_k, mask_k, offs_v, mask_v, scale,
-               GATES_PRECOMPUTED: tl.constexpr, USE_L2NORM: tl.constexpr, ALIGNED: tl.constexpr):
-    """One token's inputs, ready for the step: ``k^``, ``q^`` (normalized, scaled), ``v``, decay and
-    beta. Masked by ``ready``. (Loading one token ahead of the step was tried: the second copy of
-    ``k^`` and ``q^`` pushed the kernel into register spills and it ran slower on the H200.)"""
+               hv, offs_k, mask_k, offs_v, mask_v, scale, GATES_PRECOMPUTED: tl.constexpr,
+               USE_L2NORM: tl.constexpr, ALIGNED: tl.constexpr, EXACT_K: tl.constexpr, EXACT_V: tl.constexpr):
+    """One token's inputs, ready for the step: ``k^``, ``q^`` (normalized, scaled; broadcast
+    over the row lanes), ``v``, decay and beta."""
     tok = tok.to(tl.int64)
-    mk = tl.where(ready, mask_k, False)
-    mv = tl.where(ready, mask_v, False)
     k_ptrs = k_ptr + tok * stride_k_t + k_head + offs_k
     q_ptrs = q_ptr + tok * stride_q_t + q_head + offs_k
     v_ptrs = v_ptr + tok * stride_v_t + v_head + offs_v
-    if ALIGNED:   # the launcher guarantees 16-byte aligned rows: allow 16-byte vector loads
-        k_ptrs = tl.multiple_of(k_ptrs, [16, 16, 16])
-        q_ptrs = tl.multiple_of(q_ptrs, [16, 16, 16])
-        v_ptrs = tl.multiple_of(v_ptrs, 16)
-    k_hat = tl.load(k_ptrs, mask=mk, other=0.0).to(tl.float32)
-    q_hat = tl.load(q_ptrs, mask=mk, other=0.0).to(tl.float32)
-    v_t = tl.load(v_ptrs, mask=mv, other=0.0).to(tl.float32)
-    a_t = tl.load(a_ptr + tok * stride_a_t + hv, mask=ready, other=0.0).to(tl.float32)
-    b_t = tl.load(b_ptr + tok * stride_b_t + hv, mask=ready, other=0.0).to(tl.float32)
+    if ALIGNED:   # the launcher guarantees 16-byte aligned rows; 4-element groups match the tile
+        k_ptrs = tl.max_contiguous(tl.multiple_of(k_ptrs, [1, 8, 1, 8]), [1, 1, 1, 4])
+        q_ptrs = tl.max_contiguous(tl.multiple_of(q_ptrs, [1, 8, 1, 8]), [1, 1, 1, 4])
+    k_hat = load_masked(k_ptrs, mask_k, EXACT_K).to(tl.float32)
+    q_hat = load_masked(q_ptrs, mask_k, EXACT_K).to(tl.float32)
+    v_t = load_masked(v_ptrs, mask_v, EXACT_V).to(tl.float32)
+    a_t = tl.load(a_ptr + tok * stride_a_t + hv).to(tl.float32)
+    b_t = tl.load(b_ptr + tok * stride_b_t + hv).to(tl.float32)
     if USE_L2NORM:
-        k_hat = l2_normalize(k_hat)
-        q_hat = l2_normalize(q_hat) * scale
+        k_hat = k_hat * inverse_l2_norm(k_hat)
+        q_hat = q_hat * (inverse_l2_norm(q_hat) * scale)
     else:
         q_hat = q_hat * scale
     if GATES_PRECOMPUTED:
@@ -117,11 +159,11 @@ def load_token(tok, ready, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, neg_A, dt_bias,
 # Everything that may differ between a verify call and the native call it must match (token
 # inputs, records, outputs, index tensors, scalars, the mode itself) is kept out of Triton's
 # specialization, so verify, decode and snapshot run the *same compiled kernel*: only the state
-# (shared by both paths) and the constexprs select the binary. The layout the step computes in
-# follows the layout of the k/q loads, which follows their alignment: had Triton specialized on an
+# (shared by both paths) and the constexprs select the binary. Had Triton specialized on an
 # alignment or a stride that is a multiple of 16 in one call and not in the other, the two calls
-# could reduce over K in different orders (seen for K = 32 and 64). Alignment is instead the
-# constexpr ALIGNED, which the launcher makes true for every call it can (see launch.py).
+# could have compiled to different instruction sequences (seen for K = 32 and 64 with an earlier
+# tile). Alignment is instead the constexpr ALIGNED, which the launcher makes true for every call
+# it can (see launch.py).
 _TOKEN_POINTERS = ["q_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr", "A_log_ptr", "dt_bias_ptr", "out_ptr",
                    "state_indices_ptr", "qsl_ptr", "corr_ptr", "key_ptr", "decay_ptr", "snapshot_ptr"]
 _RUNTIME_SCALARS = ["stride_q_t", "stride_q_h", "stride_k_t", "stride_k_h", "stride_v_t", "stride_v_h",
@@ -139,14 +181,18 @@ def gdn_recurrent_kernel(
     stride_s_slot, stride_s_h, stride_s_v, stride_snap_row,
     num_tokens, num_slots, null_slot, max_window, scale, mode,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    K_PAD: tl.constexpr, K_CHUNKS: tl.constexpr, BV: tl.constexpr,
+    K_PAD: tl.constexpr, K_INNER: tl.constexpr, ROWS: tl.constexpr, ROW_LANES: tl.constexpr,
     GATES_PRECOMPUTED: tl.constexpr, USE_L2NORM: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     hv = tl.program_id(1)
     row = tl.program_id(2)
     h = hv // (HV // H)
-    K_INNER: tl.constexpr = K_PAD // K_CHUNKS
+    K_CHUNKS: tl.constexpr = K_PAD // K_INNER
+    BV: tl.constexpr = ROWS * ROW_LANES
+    EXACT_K: tl.constexpr = K == K_PAD
+    EXACT_V: tl.constexpr = V % BV == 0
+    EXACT: tl.constexpr = EXACT_K and EXACT_V
 
     # The row's tokens, clamped so that no index value can take a load out of bounds.
     start = tl.maximum(tl.load(qsl_ptr + row), 0)
@@ -155,20 +201,24 @@ def gdn_recurrent_kernel(
     slot = tl.load(state_indices_ptr + row)
     live = (slot > null_slot) & (slot < num_slots)
 
-    offs_v = i_v * BV + tl.arange(0, BV)
+    lane_v = tl.arange(0, ROW_LANES)
+    chunk = tl.arange(0, K_CHUNKS)
+    offs_v = i_v * BV + tl.arange(0, ROWS)[:, None] * ROW_LANES + lane_v[None, :]     # [R, RL]
     mask_v = offs_v < V
-    offs_k = (tl.arange(0, K_CHUNKS)[:, None, None] * K_INNER
-              + tl.arange(0, K_INNER)[None, None, :])          # [K_CHUNKS, 1, K_INNER]
+    offs_k = (chunk[None, :, None, None] * K_INNER + tl.arange(0, K_INNER)[None, None, None, :]
+              + 0 * lane_v[None, None, :, None])                # [1, KC, RL, KI], broadcast over RL
     mask_k = offs_k < K
-    tile = offs_v[None, :, None] * stride_s_v + offs_k          # [K_CHUNKS, BV, K_INNER]
-    mask_tile = mask_v[None, :, None] & mask_k
+    tile = offs_v[:, None, :, None] * stride_s_v + offs_k       # [R, KC, RL, KI]
+    mask_tile = mask_v[:, None, :, None] & mask_k
+    if ALIGNED:
+        tile = tl.max_contiguous(tl.multiple_of(tile, [1, 4, 1, 4]), [1, 1, 1, 4])
     q_head = h * stride_q_h
     k_head = h * stride_k_h
     v_head = hv * stride_v_h
 
     if live:
         state_tile = state_ptr + slot.to(tl.int64) * stride_s_slot + hv * stride_s_h
-        S = tl.load(state_tile + tile, mask=mask_tile, other=0.0).to(tl.float32)
+        S = load_masked(state_tile + tile, mask_tile, EXACT).to(tl.float32)
         if GATES_PRECOMPUTED:
             neg_A = 0.0
             dt_bias = 0.0
@@ -177,34 +227,39 @@ def gdn_recurrent_kernel(
             dt_bias = tl.load(dt_bias_ptr + hv)
         for t in range(0, length):
             k_hat, q_hat, v_t, decay, beta = load_token(
-                start + t, t < length, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, neg_A, dt_bias,
+                start + t, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, neg_A, dt_bias,
                 stride_q_t, stride_k_t, stride_v_t, stride_a_t, stride_b_t, q_head, k_head, v_head,
-                hv, offs_k, mask_k, offs_v, mask_v, scale, GATES_PRECOMPUTED, USE_L2NORM, ALIGNED)
+                hv, offs_k, mask_k, offs_v, mask_v, scale, GATES_PRECOMPUTED, USE_L2NORM, ALIGNED,
+                EXACT_K, EXACT_V)
 
             S, correction, o_t = delta_rule_step(S, k_hat, q_hat, v_t, beta, decay)
 
             tok = (start + t).to(tl.int64)
-            out_ptrs = out_ptr + tok * stride_o_t + hv * stride_o_h + offs_v
-            if ALIGNED:
-                out_ptrs = tl.multiple_of(out_ptrs, 16)
-            tl.store(out_ptrs, o_t.to(out_ptr.dtype.element_ty), mask=mask_v)
+            store_masked(out_ptr + tok * stride_o_t + hv * stride_o_h + offs_v,
+                         o_t.to(out_ptr.dtype.element_ty), mask_v, EXACT_V)
             if mode == MODE_VERIFY:  # replay records, by batch row and window position
                 rec = (row * HV + hv).to(tl.int64) * max_window + t
-                tl.store(corr_ptr + rec * V + offs_v, correction, mask=mask_v)
+                store_masked(corr_ptr + rec * V + offs_v, correction, mask_v, EXACT_V)
                 if i_v == 0:
                     tl.store(decay_ptr + rec, decay)
                     if hv % (HV // H) == 0:   # one program per q/k head writes its key
                         key_rec = (row * H + h).to(tl.int64) * max_window + t
-                        tl.store(key_ptr + key_rec * K + offs_k, k_hat, mask=mask_k)
-            if mode == MODE_SNAPSHOT:  # the state after every position gets its own slot
+                        # every lane group holds the whole key: lane group j writes chunks j, j + RL, ...
+                        writer = (chunk[None, :, None, None] % ROW_LANES) == lane_v[None, None, :, None]
+                        tl.store(key_ptr + key_rec * K + offs_k, k_hat, mask=mask_k & writer)
+            # State stores, both from inside the loop: the snapshot after every position, and
+            # native decode's final state after the last one (into the row's own slot). Keeping
+            # decode's store in the loop, behind a per-token slot index, spares the registers
+            # that a store after the loop would hold its addresses in for the whole window.
+            if mode == MODE_SNAPSHOT:
                 dst = tl.load(snapshot_ptr + row * stride_snap_row + t)
-                if (dst > null_slot) & (dst < num_slots):
-                    dst_tile = state_ptr + dst.to(tl.int64) * stride_s_slot + hv * stride_s_h
-                    tl.store(dst_tile + tile, to_storage(S, state_ptr.dtype.element_ty), mask=mask_tile)
-        if mode == MODE_DECODE:  # native decode: the final state back into the row's slot
-            tl.store(state_tile + tile, to_storage(S, state_ptr.dtype.element_ty), mask=mask_tile)
+            else:
+                dst = tl.where((mode == MODE_DECODE) & (t == length - 1), slot, null_slot)
+            if (dst > null_slot) & (dst < num_slots):
+                dst_tile = state_ptr + dst.to(tl.int64) * stride_s_slot + hv * stride_s_h
+                store_masked(dst_tile + tile, to_storage(S, state_ptr.dtype.element_ty), mask_tile, EXACT)
     else:
-        zeros = tl.zeros([BV], dtype=out_ptr.dtype.element_ty)
+        zeros = tl.zeros([ROWS, ROW_LANES], dtype=out_ptr.dtype.element_ty)
         for t in range(0, tl.maximum(end - start, 0)):
             tok = (start + t).to(tl.int64)
             tl.store(out_ptr + tok * stride_o_t + hv * stride_o_h + offs_v, zeros, mask=mask_v)

@@ -6,7 +6,7 @@ when a step brings new index tensors).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 import triton
@@ -17,9 +17,14 @@ from . import commit as commit_kernels
 from .config import LaunchConfig, interpreting  # noqa: F401  (re-exported)
 from .commit import grouped_commit_kernel, plan_commit_kernel
 from .conv import conv_verify_kernel
+from .direct_launch import DirectLauncher
 from .gdn import MODE_DECODE, MODE_SNAPSHOT, MODE_VERIFY, gdn_recurrent_kernel
 
 MODES = {"verify": MODE_VERIFY.value, "decode": MODE_DECODE.value, "snapshot": MODE_SNAPSHOT.value}
+# The two launches on every speculative step (verify per layer, one commit for all layers) skip
+# Triton's per-call specialization work once compiled (see direct_launch.py).
+_RECURRENCE = DirectLauncher(gdn_recurrent_kernel)
+_GROUPED_COMMIT = DirectLauncher(grouped_commit_kernel)
 INT32_MAX = 2**31 - 1
 
 
@@ -62,6 +67,30 @@ def _aligned_token_inputs(q, k, v, out):
     return q, k, v, kernel_out, aligned
 
 
+class RecurrenceTile(NamedTuple):
+    """The recurrence kernel's tile for one (K, V): ``[rows, k_pad / k_inner, row_lanes, k_inner]``."""
+    k_pad: int
+    k_inner: int
+    rows: int
+    row_lanes: int
+
+    @property
+    def block_v(self) -> int:
+        return self.rows * self.row_lanes
+
+
+def recurrence_tile(cfg: LaunchConfig, K: int, V: int) -> RecurrenceTile:
+    """Fit the configured lanes along K and rows per thread to the problem: K is padded to a power
+    of two (at least 4), 4 elements per lane along K (16-byte fp32 loads; the kernel folds each
+    group of 4 with fused multiply-adds), and no more rows than V has."""
+    k_pad = max(4, _pow2(K))
+    lanes_k = max(1, min(cfg.gdn_lanes_k, k_pad // 4))
+    k_inner = min(4 * lanes_k, k_pad)
+    row_lanes = (32 // lanes_k) * cfg.gdn_warps
+    rows = max(1, min(cfg.gdn_rows, _pow2(V) // row_lanes))
+    return RecurrenceTile(k_pad, k_inner, rows, row_lanes)
+
+
 def gdn_recurrent(cfg: LaunchConfig, mode: str, q, k, v, state, state_indices, query_start_loc,
                   gates: GateInputs, scale: float, use_qk_l2norm: bool, null_slot: int, out,
                   records, snapshot_slots) -> None:
@@ -80,9 +109,7 @@ def _launch_recurrent(cfg: LaunchConfig, mode: str, q, k, v, state, state_indice
     B = state_indices.shape[0]
     if B == 0 or T == 0:
         return
-    K_PAD = _pow2(K)
-    k_chunks = min(cfg.gdn_k_chunks, K_PAD)
-    block_v = min(cfg.gdn_block_v, _pow2(V))
+    tile = recurrence_tile(cfg, K, V)
     if mode == "verify":
         corr, key, decay = records
         max_window = corr.shape[2]
@@ -94,17 +121,19 @@ def _launch_recurrent(cfg: LaunchConfig, mode: str, q, k, v, state, state_indice
         a, b, A_log, dt_bias = gates.g, gates.beta, gates.g, gates.g
     else:
         a, b, A_log, dt_bias = gates.a, gates.b, gates.A_log, gates.dt_bias
-    grid = (triton.cdiv(V, block_v), HV, B)
-    gdn_recurrent_kernel[grid](
-        q, k, v, a, b, A_log, dt_bias, out, state, state_indices, query_start_loc,
-        corr, key, decay, snap,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        a.stride(0), b.stride(0), out.stride(0), out.stride(1),
-        state.stride(0), state.stride(1), state.stride(2), snap.stride(0),
-        T, state.shape[0], null_slot, max_window, scale, MODES[mode],
-        H=H, HV=HV, K=K, V=V, K_PAD=K_PAD, K_CHUNKS=k_chunks, BV=block_v,
-        GATES_PRECOMPUTED=gates.precomputed, USE_L2NORM=bool(use_qk_l2norm), ALIGNED=aligned,
-        **cfg.options(cfg.gdn_warps, cfg.gdn_stages, cfg.gdn_fp_fusion))
+    grid = (triton.cdiv(V, tile.block_v), HV, B)
+    _RECURRENCE(
+        grid,
+        (q, k, v, a, b, A_log, dt_bias, out, state, state_indices, query_start_loc,
+         corr, key, decay, snap,
+         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+         a.stride(0), b.stride(0), out.stride(0), out.stride(1),
+         state.stride(0), state.stride(1), state.stride(2), snap.stride(0),
+         T, state.shape[0], null_slot, max_window, scale, MODES[mode]),
+        dict(H=H, HV=HV, K=K, V=V, K_PAD=tile.k_pad, K_INNER=tile.k_inner, ROWS=tile.rows,
+             ROW_LANES=tile.row_lanes, GATES_PRECOMPUTED=gates.precomputed,
+             USE_L2NORM=bool(use_qk_l2norm), ALIGNED=aligned),
+        cfg.options(cfg.gdn_warps, cfg.gdn_stages, cfg.gdn_max_registers))
 
 
 def plan_commit(cfg: LaunchConfig, num_accepted, state_indices, query_start_loc, request_indices,
@@ -233,14 +262,13 @@ class TritonCommitter(Committer):
         cfg = self.cfg
         block_v = min(cfg.commit_block_v, _pow2(self.V))
         items = self.HV * triton.cdiv(self.V, block_v) + self.conv_blocks
-        grouped_commit_kernel[(items, B, self.num_layers)](
-            self.layer_table, group_table, num_accepted, query_start_loc,
-            num_accepted.shape[0], self.null_slot,
-            H=self.H, HV=self.HV, K=self.K, V=self.V, K_PAD=_pow2(self.K), BV=block_v,
-            BD=cfg.conv_block, CONV_COLS=self.conv_cols,
-            STATE_DTYPE=_dtype(self.state_dtype), CONV_DTYPE=_dtype(self.conv_dtype),
-            ALIGNED=self.aligned,
-            **cfg.options(cfg.commit_warps))
+        _GROUPED_COMMIT(
+            (items, B, self.num_layers),
+            (self.layer_table, group_table, num_accepted, query_start_loc, num_accepted.shape[0], self.null_slot),
+            dict(H=self.H, HV=self.HV, K=self.K, V=self.V, K_PAD=_pow2(self.K), BV=block_v,
+                 BD=cfg.conv_block, CONV_COLS=self.conv_cols, STATE_DTYPE=_dtype(self.state_dtype),
+                 CONV_DTYPE=_dtype(self.conv_dtype), ALIGNED=self.aligned),
+            cfg.options(cfg.commit_warps))
 
 
 def _vector_aligned(layer: CommitLayer) -> bool:

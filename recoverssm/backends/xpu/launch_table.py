@@ -6,11 +6,13 @@ fp32 state tile does not spill the register file, 8-lane-friendly warp counts, a
 register file mode (``grf_mode="large"``) that Intel's Triton backend accepts as a compile option.
 Change this table, not the kernels, when tuning on a real part.
 """
+from dataclasses import replace
+
 from ..triton.config import LaunchConfig
 
 INTEL_DEFAULT = LaunchConfig(
-    gdn_block_v=16,
-    gdn_k_chunks=2,
+    gdn_lanes_k=8,
+    gdn_rows=1,
     gdn_warps=4,
     commit_block_v=16,
     commit_warps=4,
@@ -24,8 +26,4 @@ LAUNCH_TABLE = {None: INTEL_DEFAULT}
 
 #: The config used when the kernels run under TRITON_INTERPRET=1 on CPU tensors (CI): the same
 #: tile shapes, without Intel-only compile options the interpreter does not know.
-INTERPRETER = LaunchConfig(
-    gdn_block_v=INTEL_DEFAULT.gdn_block_v, gdn_k_chunks=INTEL_DEFAULT.gdn_k_chunks,
-    gdn_warps=INTEL_DEFAULT.gdn_warps, commit_block_v=INTEL_DEFAULT.commit_block_v,
-    commit_warps=INTEL_DEFAULT.commit_warps, conv_block=INTEL_DEFAULT.conv_block,
-    conv_warps=INTEL_DEFAULT.conv_warps)
+INTERPRETER = replace(INTEL_DEFAULT, compile_options={})

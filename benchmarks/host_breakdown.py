@@ -1,0 +1,87 @@
+"""Where the host time of one commit call and one verify call goes, piece by piece (on a GPU).
+
+    python benchmarks/host_breakdown.py
+
+Each line is the median host time (us) of calling only that piece; the pieces of one call add up
+to roughly the whole. Complements benchmarks/host_profile.py (cProfile inflates Python-heavy code).
+"""
+import torch
+
+from recoverssm.backends.triton import launch
+from recoverssm.bench.problems import align_step, commit_context, window
+from recoverssm.bench.timing import host_us
+from recoverssm.core import api
+from recoverssm.core.backend import GroupStep
+from recoverssm.core.commit import _check_step_shapes
+from recoverssm.core.validation import Checker
+
+H, K, V = 16, 128, 128
+
+
+def _enter_exit(ctx_manager):
+    with ctx_manager:
+        pass
+
+
+def main():
+    T, R = 4, 8
+    step = align_step(R, T)
+    ctx, _ = commit_context(3, 6, R, T, H, 48, K, V, step.num_slots)
+    kw = dict(block_table=[step.block_table] * 3, num_computed_tokens=[step.num_computed_tokens] * 3,
+              block_size=step.block_size)
+    groups = [GroupStep(step.state_indices, None, step.block_table, step.num_computed_tokens, step.block_size)] * 3
+    c = Checker("commit", ctx.device)
+    committer = ctx._committer
+    table = committer._group_table_for(groups)
+
+    def checks():
+        for gi in range(3):
+            _check_step_shapes(c, step.num_accepted, step.state_indices, step.query_start_loc, None,
+                               step.block_table, step.num_computed_tokens, step.block_size, f"[{gi}]")
+
+    rows = [("commit: whole call", lambda: ctx.commit(step.num_accepted, [step.state_indices] * 3,
+                                                      step.query_start_loc, **kw)),
+            ("commit: shape checks (3 groups)", checks),
+            ("commit: committer.commit", lambda: committer.commit(step.num_accepted, step.query_start_loc, groups)),
+            ("commit: group table lookup", lambda: committer._group_table_for(groups)),
+            ("commit: device guard", lambda: _enter_exit(committer.device_guard(committer.device))),
+            ("commit: kernel launch only", lambda: committer._launch(step.num_accepted, step.query_start_loc, table, R))]
+    w = window(R, T, H, 48, K, V)
+    be = api._resolve("cuda", w.q.device)
+    out = torch.empty_like(w.v)
+    g = dict(a=w.a, b=w.b, A_log=w.A_log, dt_bias=w.dt_bias)
+    cfg = be.config(K, V)
+    gates = api.GateInputs(**g)
+    rec = (w.records.correction, w.records.key, w.records.decay)
+
+    def verify_checks():
+        cc, dims, *_ = api._check_gdn("gdn_verify", w.q, w.k, w.v, w.state, w.state_indices,
+                                      w.query_start_loc, w.a, w.b, w.A_log, w.dt_bias, None, None,
+                                      None, -1, None)
+        api._check_records(cc, w.records, dims)
+
+    rows += [("verify: whole call", w.verify),
+             ("verify: checks", verify_checks),
+             ("verify: backend resolve", lambda: api._resolve("cuda", w.q.device)),
+             ("verify: launcher (pack + launch)", lambda: launch.gdn_recurrent(
+                 cfg, "verify", w.q, w.k, w.v, w.state, w.state_indices, w.query_start_loc, gates,
+                 K ** -0.5, True, -1, out, rec, None)),
+             ("verify: input alignment check", lambda: launch._aligned_token_inputs(w.q, w.k, w.v, out)),
+             ("verify: kernel launch only", lambda: launch._launch_recurrent(
+                 cfg, "verify", w.q, w.k, w.v, w.state, w.state_indices, w.query_start_loc, gates,
+                 K ** -0.5, True, -1, out, rec, None, True)),
+             ("torch.empty_like", lambda: torch.empty_like(w.v))]
+    for name, fn in rows:
+        print(f"{name:40s} {host_us(fn):8.2f} us", flush=True)
+    # The same two launches through Triton's own per-call path, for comparison in this run.
+    print("direct launch enabled:", launch._RECURRENCE.enabled, launch._GROUPED_COMMIT.enabled,
+          "compiled variants:", len(launch._RECURRENCE.compiled), len(launch._GROUPED_COMMIT.compiled))
+    for launcher in (launch._RECURRENCE, launch._GROUPED_COMMIT):
+        launcher.enabled = False
+    for name, fn in rows:
+        if "launch only" in name or "whole call" in name:
+            print(f"{name + ' (Triton path)':40s} {host_us(fn):8.2f} us", flush=True)
+
+
+if __name__ == "__main__":
+    main()
