@@ -33,7 +33,7 @@ def main():
         for bv, warps in itertools.product(BLOCK_V, WARPS):
             if bv * K // (32 * warps) < 4 or bv * K // (32 * warps) > 128:
                 continue
-            ctx._committer.cfg = LaunchConfig(commit_block_v=bv, commit_warps=warps)
+            ctx._committer.set_config(LaunchConfig(commit_block_v=bv, commit_warps=warps))
             us = median_us([functools.partial(ctx.commit, step.num_accepted, step.state_indices,
                                               step.query_start_loc, **kw)], iters=40)
             row = dict(case=name, bv=bv, warps=warps, us=round(us, 1),

@@ -158,3 +158,33 @@ def test_same_value_for_all_groups_and_context_reuse():
         exp1 = decode_after(p1, step, pool=exp1)
         exp2 = decode_after(p2, step, pool=exp2)
         assert torch.equal(l1.state, exp1) and torch.equal(l2.state, exp2)
+
+
+def test_repeated_step_skips_only_checks_that_would_pass(monkeypatch):
+    """On GPUs (no value checks by default) a commit with the very tensors of the previous call
+    skips the shape checks. Here value checks are switched off on the CPU to reach that path:
+    the repeated call still commits, and any changed argument is checked again."""
+    import recoverssm.core.commit as commit_module
+
+    monkeypatch.setattr(commit_module, "wants_value_checks", lambda check, device: False)
+    calls = []
+    real_checks = commit_module._check_step_shapes
+    monkeypatch.setattr(commit_module, "_check_step_shapes", lambda *a, **k: calls.append(1) or real_checks(*a, **k))
+    p = make_problem(LENS, [0, 1, 2, 3], seed=11)
+    layer = rs.LayerCache(p.state.clone(), p.records())
+    ctx = rs.CommitContext([[layer]], max_batch=4)
+    expected = p.state.clone()
+    accepted = i32([1, 2, 1, 1])
+    for _ in range(3):      # the same tensors each step: the checks run once
+        rs.gdn_verify(p.q, p.k, p.v, records=layer.records, **p.call_kwargs(state=layer.state))
+        ctx.commit(accepted, p.state_indices, p.qsl)
+        expected = decode_after(p, [1, 2, 1, 1], pool=expected)
+        assert torch.equal(layer.state, expected)
+    assert len(calls) == 1
+    with pytest.raises(TypeError, match="state_indices"):
+        ctx.commit(accepted, p.state_indices.to(torch.int64), p.qsl)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        ctx.commit(accepted, p.state_indices, p.qsl[:-1])
+    with pytest.raises(TypeError, match="block_size"):   # a changed scalar is checked again too
+        ctx.commit(accepted, p.state_indices, p.qsl, block_table=i32([[0], [1], [2], [3]]),
+                   num_computed_tokens=i32([0, 0, 0, 0]), block_size=2.0)

@@ -62,7 +62,8 @@ class DirectLauncher:
             compiled = self.compiled.get(key)
             if compiled is not None:
                 try:
-                    stream = torch.cuda.current_stream(args[self.pointers[0]].device).cuda_stream
+                    # The caller made the tensors' device current (backend device guard).
+                    stream = torch.cuda.current_stream().cuda_stream
                     compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
                                  None, None, None, *args, *(constexprs[n] for n in self.constexpr_names))
                     return

@@ -169,7 +169,6 @@ class TritonCommitter(Committer):
 
     def __init__(self, cfg: LaunchConfig, encoding: PointerEncoding, device_guard,
                  layers: Sequence[CommitLayer], num_groups: int, max_batch: int, null_slot: int):
-        self.cfg = cfg
         self.device_guard = device_guard
         self.encoding = encoding
         self.null_slot = null_slot
@@ -197,7 +196,7 @@ class TritonCommitter(Committer):
         self.state_dtype = _TORCH_TO_TRITON[first.state.dtype]
         self.conv_dtype = _TORCH_TO_TRITON[conv_dtypes.pop()] if conv_dtypes else "fp32"
         self.conv_cols = _pow2(max((l.conv_history for l in conv_layers), default=1))
-        self.conv_blocks = max((triton.cdiv(l.conv_state.shape[1], cfg.conv_block) for l in conv_layers), default=0)
+        self.max_conv_dim = max((l.conv_state.shape[1] for l in conv_layers), default=0)
         self.num_layers = len(layers)
         self.aligned = all(_vector_aligned(l) for l in layers)
         self._keepalive = list(layers)
@@ -213,8 +212,21 @@ class TritonCommitter(Committer):
                 cs.stride(2) if cs is not None else 0, cs.shape[1] if cs is not None else 0,
                 layer.conv_history, layer.group])
         self.layer_table = self._upload(rows, (commit_kernels.LAYER_FIELDS.value,), pointer_columns=commit_kernels.LAYER_POINTER_COLUMNS)
+        self.set_config(cfg)
         self._group_key = None
         self._group_table = None
+
+    def set_config(self, cfg: LaunchConfig) -> None:
+        """Fix the launch for ``cfg``: everything but the step's tensors is constant for the
+        context, so each commit reuses it (benchmarks/tune_commit.py switches configs here)."""
+        self.cfg = cfg
+        block_v = min(cfg.commit_block_v, _pow2(self.V))
+        self.items = self.HV * triton.cdiv(self.V, block_v) + triton.cdiv(self.max_conv_dim, cfg.conv_block)
+        self.constexprs = dict(H=self.H, HV=self.HV, K=self.K, V=self.V, K_PAD=_pow2(self.K), BV=block_v,
+                               BD=cfg.conv_block, CONV_COLS=self.conv_cols,
+                               STATE_DTYPE=_dtype(self.state_dtype), CONV_DTYPE=_dtype(self.conv_dtype),
+                               ALIGNED=self.aligned)
+        self.options = cfg.options(cfg.commit_warps)
 
     def _upload(self, rows, shape, pointer_columns) -> torch.Tensor:
         """Encode a table on the host (pointer columns with the backend's encoding) and copy it over."""
@@ -259,16 +271,10 @@ class TritonCommitter(Committer):
             self._launch(num_accepted, query_start_loc, self._group_table_for(groups), B)
 
     def _launch(self, num_accepted, query_start_loc, group_table, B):
-        cfg = self.cfg
-        block_v = min(cfg.commit_block_v, _pow2(self.V))
-        items = self.HV * triton.cdiv(self.V, block_v) + self.conv_blocks
         _GROUPED_COMMIT(
-            (items, B, self.num_layers),
+            (self.items, B, self.num_layers),
             (self.layer_table, group_table, num_accepted, query_start_loc, num_accepted.shape[0], self.null_slot),
-            dict(H=self.H, HV=self.HV, K=self.K, V=self.V, K_PAD=_pow2(self.K), BV=block_v,
-                 BD=cfg.conv_block, CONV_COLS=self.conv_cols, STATE_DTYPE=_dtype(self.state_dtype),
-                 CONV_DTYPE=_dtype(self.conv_dtype), ALIGNED=self.aligned),
-            cfg.options(cfg.commit_warps))
+            self.constexprs, self.options)
 
 
 def _vector_aligned(layer: CommitLayer) -> bool:
