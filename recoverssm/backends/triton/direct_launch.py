@@ -28,6 +28,12 @@ from .config import interpreting
 log = logging.getLogger(__name__)
 INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
 
+try:        # what Triton's own launch path uses: the raw handle of a device's current stream
+    from torch._C import _cuda_getCurrentRawStream as _current_stream
+except ImportError:  # pragma: no cover - older torch
+    def _current_stream(index: int) -> int:
+        return torch.cuda.current_stream(index).cuda_stream
+
 
 class DirectLauncher:
     """Launches one ``@triton.jit`` kernel whose runtime arguments precede its constexprs."""
@@ -62,8 +68,7 @@ class DirectLauncher:
             compiled = self.compiled.get(key)
             if compiled is not None:
                 try:
-                    # The caller made the tensors' device current (backend device guard).
-                    stream = torch.cuda.current_stream().cuda_stream
+                    stream = _current_stream(key[0])
                     compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
                                  None, None, None, *args, *(constexprs[n] for n in self.constexpr_names))
                     return

@@ -215,6 +215,7 @@ class TritonCommitter(Committer):
         self.set_config(cfg)
         self._group_key = None
         self._group_table = None
+        self._group_steps = None
 
     def set_config(self, cfg: LaunchConfig) -> None:
         """Fix the launch for ``cfg``: everything but the step's tensors is constant for the
@@ -246,6 +247,8 @@ class TritonCommitter(Committer):
         return table.pin_memory().to(self.device, non_blocking=True)
 
     def _group_table_for(self, groups: Sequence[GroupStep]) -> torch.Tensor:
+        if groups is self._group_steps:      # CommitContext passes back the steps it checked last
+            return self._group_table
         rows = []
         for g in groups:
             bt = g.block_table
@@ -261,6 +264,7 @@ class TritonCommitter(Committer):
         if key != self._group_key:
             self._group_table = self._upload(rows, (commit_kernels.GROUP_FIELDS.value,), pointer_columns=commit_kernels.GROUP_POINTER_COLUMNS)
             self._group_key = key
+        self._group_steps = groups
         return self._group_table
 
     def commit(self, num_accepted, query_start_loc, groups: Sequence[GroupStep]) -> None:
