@@ -5,10 +5,16 @@ the interpreter cannot see and shows register pressure before any device time is
 
     python ci/compile_kernels.py            # sm_90 (H100 / H200)
     python ci/compile_kernels.py --arch 80
+    python ci/compile_kernels.py --loops    # + instructions in each kernel's first loop, by opcode
+
+The loop counts are static (one pass through the loop body, both sides of every branch in it):
+for the recurrence kernel that is the per-token cost a warp issues, plus the snapshot store that
+verify skips. They depend on the Triton version; the H200 machine has Triton 3.6.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import inspect
 import os
 import re
@@ -48,7 +54,40 @@ def compile_one(fn, constexprs, pointer_types, options, arch):
     sig, attrs = _signature(fn, pointer_types, constexprs)
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
-    return _resource_usage(compiled.asm["cubin"])
+    return _resource_usage(compiled.asm["cubin"]), compiled.asm["cubin"]
+
+
+def first_loop_opcodes(cubin: bytes) -> collections.Counter:
+    """Opcodes between the first backward branch's target and the branch (``nvdisasm``, shipped
+    with Triton); empty when the kernel has no loop."""
+    from triton.backends.nvidia import compiler as nv
+
+    tool = os.path.join(os.path.dirname(nv.__file__), "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    labels, code, pending = {}, [], []
+    for line in text.splitlines():
+        label = re.match(r"^(\.L_x_\d+):", line)
+        if label:
+            pending.append(label.group(1))
+            continue
+        ins = re.match(r"\s*/\*([0-9a-f]+)\*/\s+(.*)", line)
+        if ins:
+            address = int(ins.group(1), 16)
+            for name in pending:
+                labels[name] = address
+            pending = []
+            code.append((address, ins.group(2)))
+    for address, text_ in code:
+        target = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", text_)
+        if target and labels.get(target.group(1), address + 1) < address:
+            start = labels[target.group(1)]
+            return collections.Counter(
+                re.match(r"(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", t).group(1)
+                for a, t in code if start <= a <= address)
+    return collections.Counter()
 
 
 def _resource_usage(cubin: bytes) -> tuple[int, int]:
@@ -95,14 +134,19 @@ def cases(cfg: LaunchConfig, K=128, V=128, H=16, HV=48):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--loops", action="store_true", help="count the instructions of each kernel's first loop")
     args = ap.parse_args(argv)
     from recoverssm.backends.cuda.plugin import CudaBackend
     cfg = CudaBackend.launch_table[None]
     failed = 0
     for name, fn, constexprs, ptypes, options in cases(cfg):
         try:
-            regs, spills = compile_one(fn, constexprs, ptypes, options, args.arch)
+            (regs, spills), cubin = compile_one(fn, constexprs, ptypes, options, args.arch)
             print(f"{name:40s} warps={options['num_warps']} regs={regs:4d} stack bytes={spills}")
+            if args.loops:
+                ops = first_loop_opcodes(cubin)
+                top = ", ".join(f"{op} {n}" for op, n in ops.most_common(8))
+                print(f"{'':40s} first loop: {sum(ops.values())} instructions ({top})")
         except Exception as exc:  # noqa: BLE001 - report every kernel, fail at the end
             failed += 1
             print(f"{name:40s} FAILED: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")

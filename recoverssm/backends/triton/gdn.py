@@ -7,27 +7,20 @@ exactly the ``c_t`` the native paths compute (same machine code, same reduction 
 commit of them is bit-identical.
 
 **Tile layout.** The tile is ``[ROWS, K_CHUNKS, ROW_LANES, K_INNER]``: V row
-``ROWS_index * ROW_LANES + lane`` and K column ``chunk * K_INNER + inner``. Loads are 4 elements
-wide along ``K_INNER``, so a warp's lanes split into ``K_INNER / 4`` lanes along K and
-``ROW_LANES`` lanes along V, and every thread keeps ``ROWS x K_CHUNKS`` groups of 4 K-contiguous
-elements. That choice is the whole performance story of this kernel:
+``row * ROW_LANES + lane`` and K column ``chunk * K_INNER + inner``. Loads are 4 elements wide
+along ``K_INNER``, so a warp's lanes split into ``K_INNER / 4`` lanes along K and ``ROW_LANES``
+lanes along V, and every thread keeps ``ROWS x K_CHUNKS`` groups of 4 K-contiguous elements. The
+launch table chooses the split (``gdn_lanes_k``, ``gdn_rows``). On the H200 the best is all 32
+lanes along K (``K_CHUNKS = ROW_LANES = 1``) with 8 rows per thread: ``k`` and ``q`` then sit
+once in the warp, 4 values per lane. With fewer lanes along K, ``k`` and ``q`` are loaded
+broadcast over the ``ROW_LANES`` axis (``offs_k``) so they share the state's layout; each
+reduction needs fewer shuffles, but each lane group loads and normalizes its own copy, which cost
+more than it saved (docs/BENCHMARKS.md).
 
-* a reduction over K is mostly in-thread fused multiply-adds (``sum_over_k`` adds the chunks
-  first), with only ``log2(K_INNER / 4)`` shuffle steps per row;
-* ``k`` and ``q`` are loaded *already broadcast* over the ``ROW_LANES`` axis (the same 256 bytes
-  for every lane group, served by L1), in exactly the layout of the state tile, so the compiler
-  never has to convert the state between layouts; their normalization is shared by the ``ROWS``
-  rows each thread holds.
-
-(The earlier tile ``[K_CHUNKS, BV, K_INNER]`` with un-broadcast k/q let the compiler lay the state
-out like the k/q loads: 32 lanes along K, five shuffle steps per row and reduction, and more than
-twice the instructions per token; see docs/BENCHMARKS.md.)
-
-**Rounding.** Products inside a reduction may be contracted into fused multiply-adds (the kernel
-is compiled with fp fusion on; ``gdn_fp_fusion`` in the launch config), everything else the
-contract rounds separately is kept separate: ``S' = S * d`` is one multiply whose result is both
-reduced and updated, and the update is an explicit ``tl.fma``. Whatever the compiler chooses,
-verify, decode and snapshot execute the same instructions on the same values.
+**Rounding.** The kernels are compiled without automatic contraction (``config.py``); every fused
+multiply-add is explicit: the update ``S = fma(c, k^, S')`` and the fold of each thread's groups
+of 4 products in ``dot_over_k``. ``S' = S * d`` is one multiply whose result is both reduced and
+updated. Verify, decode and snapshot execute the same instructions on the same values.
 """
 import triton
 import triton.language as tl
