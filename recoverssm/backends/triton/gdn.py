@@ -203,8 +203,6 @@ def gdn_recurrent_kernel(
     mask_k = offs_k < K
     tile = offs_v[:, None, :, None] * stride_s_v + offs_k       # [R, KC, RL, KI]
     mask_tile = mask_v[:, None, :, None] & mask_k
-    if ALIGNED:
-        tile = tl.max_contiguous(tl.multiple_of(tile, [1, 4, 1, 4]), [1, 1, 1, 4])
     q_head = h * stride_q_h
     k_head = h * stride_k_h
     v_head = hv * stride_v_h
