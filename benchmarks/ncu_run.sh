@@ -2,10 +2,7 @@
 # ncu comparison of verify kernels (device tool): summary sections and per-SASS-instruction
 # execution counts. Usage: bash benchmarks/ncu_run.sh "ours 32 8" "fla" ...  -> $OUT/ncu_*.txt
 export PYTHONPATH=.:${PYTHONPATH:-}
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
+. benchmarks/carry_wheels.sh
 SECTIONS="--section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats --section WarpStateStats --section InstructionStats --section SourceCounters"
 for case in "$@"; do
   name=$(echo $case | tr ' ' '_')
