@@ -40,6 +40,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--ncu-case", action="store_true")
+    ap.add_argument("--grid", help="configurations to sweep, e.g. 8x4,8x4x128 "
+                    "(lanes_k x rows [x register cap, 0: none])")
     args = ap.parse_args()
     if args.ncu_case:
         w = window(64, 4, H, 48, K, V)
@@ -51,15 +53,19 @@ def main():
         return
     ceiling = CopyCeiling("cuda")
     shapes = [(64, 4, 48, "verify"), (64, 8, 48, "verify"), (256, 4, 48, "verify"), (8, 4, 48, "verify"),
+              (1, 4, 48, "verify"), (8, 8, 48, "verify"), (1, 8, 48, "verify"),
               (64, 4, 48, "snapshot")]
     wins = {}
     for N, T, HV, _ in shapes:
         if (N, T, HV) not in wins:
             n = copies_for(N * HV * V * K * 4)
             wins[(N, T, HV)] = [window(N, T, H, HV, K, V, extra_slots=N * T, seed=i) for i in range(n)]
-    # (lanes along K, rows per thread, register cap): the caps are the smallest that compiled
-    # without spills with Triton 3.6 for sm_90 (checked on the CPU machine before the GPU run).
-    grid = [(32, 8, None), (32, 8, 88), (32, 16, 152), (32, 16, None), (32, 4, None), (16, 4, None)]
+    # (lanes along K, rows per thread, register cap): check a cap compiles without spills
+    # (`python ci/compile_kernels.py` with Triton 3.6 for sm_90) before spending GPU time on it.
+    grid = [(8, 8, None), (8, 4, 168), (8, 4, None), (16, 8, 168), (32, 8, None)]
+    if args.grid:
+        grid = [tuple(int(x) or None for x in c.split("x")) + (None,) * (3 - len(c.split("x")))
+                for c in args.grid.split(",")]
     if args.quick:
         grid = grid[:3]
     results = []

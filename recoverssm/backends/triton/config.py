@@ -29,7 +29,7 @@ class LaunchConfig:
     ``compile_options``: extra options for every launch (e.g. ``grf_mode`` on Intel GPUs).
     """
 
-    gdn_lanes_k: int = 32
+    gdn_lanes_k: int = 8
     gdn_rows: int = 8
     gdn_warps: int = 1
     gdn_stages: Optional[int] = None

@@ -6,16 +6,21 @@ compiled kernel, and the per-token step is one ``@triton.jit`` helper, so verify
 exactly the ``c_t`` the native paths compute (same machine code, same reduction order) and a
 commit of them is bit-identical.
 
-**Tile layout.** The tile is ``[ROWS, K_CHUNKS, ROW_LANES, K_INNER]``: V row
-``row * ROW_LANES + lane`` and K column ``chunk * K_INNER + inner``. Loads are 4 elements wide
-along ``K_INNER``, so a warp's lanes split into ``K_INNER / 4`` lanes along K and ``ROW_LANES``
-lanes along V, and every thread keeps ``ROWS x K_CHUNKS`` groups of 4 K-contiguous elements. The
-launch table chooses the split (``gdn_lanes_k``, ``gdn_rows``). On the H200 the best is all 32
-lanes along K (``K_CHUNKS = ROW_LANES = 1``) with 8 rows per thread: ``k`` and ``q`` then sit
-once in the warp, 4 values per lane. With fewer lanes along K, ``k`` and ``q`` are loaded
-broadcast over the ``ROW_LANES`` axis (``offs_k``) so they share the state's layout; each
-reduction needs fewer shuffles, but each lane group loads and normalizes its own copy, which cost
-more than it saved (docs/BENCHMARKS.md).
+**Tile layout.** The tile is ``[ROW_LANES, ROWS, K_CHUNKS, K_INNER]``: V row
+``lane * ROWS + row`` and K column ``chunk * K_INNER + inner``. Loads are 4 elements wide along
+``K_INNER``, so a warp's lanes split into ``K_INNER / 4`` lanes along K and ``ROW_LANES`` lanes
+along V (the dimension order makes Triton's default layout put the lanes exactly there, and
+``k``/``q`` share it: they are loaded broadcast over ``ROW_LANES``, ``offs_k``), and every thread
+keeps ``ROWS x K_CHUNKS`` groups of 4 K-contiguous elements. The launch table chooses the split
+(``gdn_lanes_k``, ``gdn_rows``). On the H200 the best is 8 lanes along K and 8 rows per thread:
+128 state elements per thread, so each token's fixed work (loading and normalizing ``k`` and
+``q``, the gates, 3 shuffle steps per reduction) is spread over many elements; with 32 lanes
+along K the two reductions need 5 shuffle steps for every row a thread holds, and those cost more
+than the state arithmetic (docs/BENCHMARKS.md).
+
+**Latency.** Each token's inputs are fetched one token ahead (``fetch_token``), so their loads
+are in flight while the previous token is computed; with few warps per SM (one program holds 128
+state values per thread) nothing else would hide them.
 
 **Rounding.** The kernels are compiled without automatic contraction (``config.py``); every fused
 multiply-add is explicit: the update ``S = fma(c, k^, S')`` and the fold of each thread's groups
@@ -55,33 +60,33 @@ def store_masked(ptrs, value, mask, EXACT: tl.constexpr):
 
 @triton.jit
 def dot_over_k(x, y):
-    """``sum over K of x * y`` for ``[R | 1, K_CHUNKS, ROW_LANES, K_INNER]`` tiles -> ``[R, ROW_LANES]``.
+    """``sum over K of x * y`` for ``[ROW_LANES, R | 1, K_CHUNKS, K_INNER]`` tiles -> ``[ROW_LANES, R]``.
 
     Each thread holds K in groups of 4 consecutive elements; a group is folded with an explicit
     fused multiply-add chain (the kernels are compiled without automatic contraction, which would
     otherwise leave a multiply and an add per element), then the chunks a thread holds, then the
     lanes. Splitting the last axis into its 4 group members only renames registers."""
-    R: tl.constexpr = x.shape[0] if x.shape[0] > y.shape[0] else y.shape[0]
-    KC: tl.constexpr = x.shape[1]
-    RL: tl.constexpr = x.shape[2]
+    RL: tl.constexpr = x.shape[0]
+    R: tl.constexpr = x.shape[1] if x.shape[1] > y.shape[1] else y.shape[1]
+    KC: tl.constexpr = x.shape[2]
     KI: tl.constexpr = x.shape[3]
-    x01, x23 = tl.split(tl.reshape(tl.broadcast_to(x, [R, KC, RL, KI]), [R, KC, RL, KI // 4, 2, 2]))
-    y01, y23 = tl.split(tl.reshape(tl.broadcast_to(y, [R, KC, RL, KI]), [R, KC, RL, KI // 4, 2, 2]))
+    x01, x23 = tl.split(tl.reshape(tl.broadcast_to(x, [RL, R, KC, KI]), [RL, R, KC, KI // 4, 2, 2]))
+    y01, y23 = tl.split(tl.reshape(tl.broadcast_to(y, [RL, R, KC, KI]), [RL, R, KC, KI // 4, 2, 2]))
     x0, x1 = tl.split(x01)
     x2, x3 = tl.split(x23)
     y0, y1 = tl.split(y01)
     y2, y3 = tl.split(y23)
-    group = tl.fma(x3, y3, tl.fma(x2, y2, tl.fma(x1, y1, x0 * y0)))    # [R, KC, RL, KI // 4]
-    return tl.sum(tl.sum(group, axis=1), axis=2)
+    group = tl.fma(x3, y3, tl.fma(x2, y2, tl.fma(x1, y1, x0 * y0)))    # [RL, R, KC, KI // 4]
+    return tl.sum(tl.sum(group, axis=2), axis=2)
 
 
 @triton.jit
 def inverse_l2_norm(x):
-    """``1 / sqrt(sum(x^2) + eps)`` over K of a ``[1, K_CHUNKS, ROW_LANES, K_INNER]`` vector,
+    """``1 / sqrt(sum(x^2) + eps)`` over K of a ``[ROW_LANES, 1, K_CHUNKS, K_INNER]`` vector,
     shaped to multiply it. The hardware's reciprocal square root (about 2 ulp) rather than IEEE
     ``sqrt_rn``/``div_rn``: those are subroutines that cost registers, hence occupancy; the
     normalized key is recorded, so the commit replays it exactly either way."""
-    return tl.rsqrt(dot_over_k(x, x) + L2NORM_EPS)[:, None, :, None]
+    return tl.rsqrt(dot_over_k(x, x) + L2NORM_EPS)[:, :, None, None]
 
 
 @triton.jit
@@ -96,10 +101,10 @@ def softplus(x):
 
 @triton.jit
 def delta_rule_step(S, k_hat, q_hat, v, beta, decay):
-    """One token of the gated delta rule on a ``[R, K_CHUNKS, ROW_LANES, K_INNER]`` fp32 tile.
+    """One token of the gated delta rule on a ``[ROW_LANES, R, K_CHUNKS, K_INNER]`` fp32 tile.
 
-    ``k_hat``, ``q_hat``: ``[1, K_CHUNKS, ROW_LANES, K_INNER]``; ``v``: ``[R, ROW_LANES]``;
-    ``beta``, ``decay``: scalars. Returns the new tile, the correction ``c_t`` ``[R, ROW_LANES]``
+    ``k_hat``, ``q_hat``: ``[ROW_LANES, 1, K_CHUNKS, K_INNER]``; ``v``: ``[ROW_LANES, R]``;
+    ``beta``, ``decay``: scalars. Returns the new tile, the correction ``c_t`` ``[ROW_LANES, R]``
     (the replay record) and the output.
 
     The output uses ``S_new q = S' q + c (k . q)``: both reductions then read ``S'`` and run side
@@ -110,31 +115,42 @@ def delta_rule_step(S, k_hat, q_hat, v, beta, decay):
     predicted = dot_over_k(S, k_hat)
     partial_out = dot_over_k(S, q_hat)
     correction = beta * (v - predicted)
-    S = tl.fma(correction[:, None, :, None], k_hat, S)
+    S = tl.fma(correction[:, :, None, None], k_hat, S)
     k_dot_q = dot_over_k(k_hat, q_hat)
     out = tl.fma(correction, k_dot_q, partial_out)
     return S, correction, out
 
 
 @triton.jit
-def load_token(tok, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, neg_A, dt_bias,
-               stride_q_t, stride_k_t, stride_v_t, stride_a_t, stride_b_t, q_head, k_head, v_head,
-               hv, offs_k, mask_k, offs_v, mask_v, scale, GATES_PRECOMPUTED: tl.constexpr,
-               USE_L2NORM: tl.constexpr, ALIGNED: tl.constexpr, EXACT_K: tl.constexpr, EXACT_V: tl.constexpr):
-    """One token's inputs, ready for the step: ``k^``, ``q^`` (normalized, scaled; broadcast
-    over the row lanes), ``v``, decay and beta."""
+def fetch_token(tok, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, stride_q_t, stride_k_t, stride_v_t, stride_a_t,
+                stride_b_t, q_head, k_head, v_head, hv, offs_k, mask_k, offs_v, mask_v,
+                ALIGNED: tl.constexpr, EXACT_K: tl.constexpr, EXACT_V: tl.constexpr):
+    """Issue the loads of one token's inputs, as stored (``k``, ``q`` broadcast over the row
+    lanes, ``v``, the two gate inputs). The token loop fetches token ``t + 1`` before it works on
+    token ``t``, so the loads' latency hides behind a token's arithmetic."""
     tok = tok.to(tl.int64)
     k_ptrs = k_ptr + tok * stride_k_t + k_head + offs_k
     q_ptrs = q_ptr + tok * stride_q_t + q_head + offs_k
-    v_ptrs = v_ptr + tok * stride_v_t + v_head + offs_v
     if ALIGNED:   # the launcher guarantees 16-byte aligned rows; 4-element groups match the tile
-        k_ptrs = tl.max_contiguous(tl.multiple_of(k_ptrs, [1, 8, 1, 8]), [1, 1, 1, 4])
-        q_ptrs = tl.max_contiguous(tl.multiple_of(q_ptrs, [1, 8, 1, 8]), [1, 1, 1, 4])
-    k_hat = load_masked(k_ptrs, mask_k, EXACT_K).to(tl.float32)
-    q_hat = load_masked(q_ptrs, mask_k, EXACT_K).to(tl.float32)
-    v_t = load_masked(v_ptrs, mask_v, EXACT_V).to(tl.float32)
-    a_t = tl.load(a_ptr + tok * stride_a_t + hv).to(tl.float32)
-    b_t = tl.load(b_ptr + tok * stride_b_t + hv).to(tl.float32)
+        k_ptrs = tl.max_contiguous(tl.multiple_of(k_ptrs, [1, 1, 8, 8]), [1, 1, 1, 4])
+        q_ptrs = tl.max_contiguous(tl.multiple_of(q_ptrs, [1, 1, 8, 8]), [1, 1, 1, 4])
+    k_t = load_masked(k_ptrs, mask_k, EXACT_K)
+    q_t = load_masked(q_ptrs, mask_k, EXACT_K)
+    v_t = load_masked(v_ptr + tok * stride_v_t + v_head + offs_v, mask_v, EXACT_V)
+    a_t = tl.load(a_ptr + tok * stride_a_t + hv)
+    b_t = tl.load(b_ptr + tok * stride_b_t + hv)
+    return k_t, q_t, v_t, a_t, b_t
+
+
+@triton.jit
+def prepare_token(k_t, q_t, v_t, a_t, b_t, neg_A, dt_bias, scale,
+                  GATES_PRECOMPUTED: tl.constexpr, USE_L2NORM: tl.constexpr):
+    """One fetched token, ready for the step: ``k^``, ``q^`` (normalized, scaled), ``v``, decay
+    and beta, all fp32."""
+    k_hat = k_t.to(tl.float32)
+    q_hat = q_t.to(tl.float32)
+    a_t = a_t.to(tl.float32)
+    b_t = b_t.to(tl.float32)
     if USE_L2NORM:
         k_hat = k_hat * inverse_l2_norm(k_hat)
         q_hat = q_hat * (inverse_l2_norm(q_hat) * scale)
@@ -146,7 +162,7 @@ def load_token(tok, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, neg_A, dt_bias,
     else:
         decay = tl.exp(neg_A * softplus(a_t + dt_bias))
         beta = 1.0 / (1.0 + tl.exp(-b_t))
-    return k_hat, q_hat, v_t, decay, beta
+    return k_hat, q_hat, v_t.to(tl.float32), decay, beta
 
 
 # Everything that may differ between a verify call and the native call it must match (token
@@ -171,9 +187,9 @@ def gdn_recurrent_kernel(
     corr_ptr, key_ptr, decay_ptr, snapshot_ptr,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
     stride_a_t, stride_b_t, stride_o_t, stride_o_h,
-    stride_s_slot, stride_s_h, stride_s_v, stride_snap_row,
+    stride_s_slot, stride_s_h, stride_snap_row,
     num_tokens, num_slots, null_slot, max_window, scale, mode,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, STRIDE_S_V: tl.constexpr,
     K_PAD: tl.constexpr, K_INNER: tl.constexpr, ROWS: tl.constexpr, ROW_LANES: tl.constexpr,
     GATES_PRECOMPUTED: tl.constexpr, USE_L2NORM: tl.constexpr, ALIGNED: tl.constexpr,
 ):
@@ -196,13 +212,16 @@ def gdn_recurrent_kernel(
 
     lane_v = tl.arange(0, ROW_LANES)
     chunk = tl.arange(0, K_CHUNKS)
-    offs_v = i_v * BV + tl.arange(0, ROWS)[:, None] * ROW_LANES + lane_v[None, :]     # [R, RL]
+    offs_v = i_v * BV + lane_v[:, None] * ROWS + tl.arange(0, ROWS)[None, :]          # [RL, R]
     mask_v = offs_v < V
-    offs_k = (chunk[None, :, None, None] * K_INNER + tl.arange(0, K_INNER)[None, None, None, :]
-              + 0 * lane_v[None, None, :, None])                # [1, KC, RL, KI], broadcast over RL
+    offs_k = (chunk[None, None, :, None] * K_INNER + tl.arange(0, K_INNER)[None, None, None, :]
+              + 0 * lane_v[:, None, None, None])                # [RL, 1, KC, KI], broadcast over RL
     mask_k = offs_k < K
-    tile = offs_v[:, None, :, None] * stride_s_v + offs_k       # [R, KC, RL, KI]
-    mask_tile = mask_v[:, None, :, None] & mask_k
+    # The state's row stride is a constexpr: the tile's offsets are then constants from one base
+    # address rather than addresses held in registers across the token loop (the state is the one
+    # tensor verify and decode share, so specializing on it keeps them one binary).
+    tile = offs_v[:, :, None, None] * STRIDE_S_V + offs_k       # [RL, R, KC, KI]
+    mask_tile = mask_v[:, :, None, None] & mask_k
     q_head = h * stride_q_h
     k_head = h * stride_k_h
     v_head = hv * stride_v_h
@@ -216,12 +235,17 @@ def gdn_recurrent_kernel(
         else:
             neg_A = -tl.exp(tl.load(A_log_ptr + hv))
             dt_bias = tl.load(dt_bias_ptr + hv)
+        fetched = fetch_token(tl.minimum(start, num_tokens - 1), q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
+                              stride_q_t, stride_k_t, stride_v_t, stride_a_t, stride_b_t, q_head, k_head,
+                              v_head, hv, offs_k, mask_k, offs_v, mask_v, ALIGNED, EXACT_K, EXACT_V)
         for t in range(0, length):
-            k_hat, q_hat, v_t, decay, beta = load_token(
-                start + t, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, neg_A, dt_bias,
-                stride_q_t, stride_k_t, stride_v_t, stride_a_t, stride_b_t, q_head, k_head, v_head,
-                hv, offs_k, mask_k, offs_v, mask_v, scale, GATES_PRECOMPUTED, USE_L2NORM, ALIGNED,
-                EXACT_K, EXACT_V)
+            k_t, q_t, v_t, a_t, b_t = fetched
+            # the next token's loads go out now (the last iteration fetches its own token again)
+            fetched = fetch_token(start + tl.minimum(t + 1, length - 1), q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
+                                  stride_q_t, stride_k_t, stride_v_t, stride_a_t, stride_b_t, q_head, k_head,
+                                  v_head, hv, offs_k, mask_k, offs_v, mask_v, ALIGNED, EXACT_K, EXACT_V)
+            k_hat, q_hat, v_t, decay, beta = prepare_token(k_t, q_t, v_t, a_t, b_t, neg_A, dt_bias, scale,
+                                                           GATES_PRECOMPUTED, USE_L2NORM)
 
             S, correction, o_t = delta_rule_step(S, k_hat, q_hat, v_t, beta, decay)
 
@@ -236,7 +260,7 @@ def gdn_recurrent_kernel(
                     if hv % (HV // H) == 0:   # one program per q/k head writes its key
                         key_rec = (row * H + h).to(tl.int64) * max_window + t
                         # every lane group holds the whole key: lane group j writes chunks j, j + RL, ...
-                        writer = (chunk[None, :, None, None] % ROW_LANES) == lane_v[None, None, :, None]
+                        writer = (chunk[None, None, :, None] % ROW_LANES) == lane_v[:, None, None, None]
                         tl.store(key_ptr + key_rec * K + offs_k, k_hat, mask=mask_k & writer)
             # State stores, both from inside the loop: the snapshot after every position, and
             # native decode's final state after the last one (into the row's own slot). Keeping
@@ -250,7 +274,7 @@ def gdn_recurrent_kernel(
                 dst_tile = state_ptr + dst.to(tl.int64) * stride_s_slot + hv * stride_s_h
                 store_masked(dst_tile + tile, to_storage(S, state_ptr.dtype.element_ty), mask_tile, EXACT)
     else:
-        zeros = tl.zeros([ROWS, ROW_LANES], dtype=out_ptr.dtype.element_ty)
+        zeros = tl.zeros([ROW_LANES, ROWS], dtype=out_ptr.dtype.element_ty)
         for t in range(0, tl.maximum(end - start, 0)):
             tok = (start + t).to(tl.int64)
             tl.store(out_ptr + tok * stride_o_t + hv * stride_o_h + offs_v, zeros, mask=mask_v)
