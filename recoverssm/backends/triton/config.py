@@ -24,7 +24,11 @@ class LaunchConfig:
     ``gdn_rows``: V rows each thread holds (a program covers ``gdn_rows * 32 / gdn_lanes_k`` rows
     per warp); ``gdn_max_registers``: a register cap per thread for the recurrence (Triton's
     ``maxnreg``; without one the compiler takes more than the kernel needs, at the cost of
-    occupancy);
+    occupancy); ``gdn_small_grid_programs``, ``gdn_small_grid_rows``,
+    ``gdn_small_grid_max_registers``: a call whose grid would have fewer programs than
+    ``gdn_small_grid_programs`` (too few to fill the GPU) uses at most ``gdn_small_grid_rows`` rows
+    per thread, with that register cap: more, shorter programs. Rows per thread do not change the
+    arithmetic of a row (the lanes along K do), so calls of either size agree bit for bit;
     ``commit_block_v``: V rows per commit program; ``conv_block``: channels per conv program.
     ``compile_options``: extra options for every launch (e.g. ``grf_mode`` on Intel GPUs).
     """
@@ -34,6 +38,9 @@ class LaunchConfig:
     gdn_warps: int = 1
     gdn_stages: Optional[int] = None
     gdn_max_registers: Optional[int] = None
+    gdn_small_grid_programs: int = 0
+    gdn_small_grid_rows: int = 4
+    gdn_small_grid_max_registers: Optional[int] = None
     commit_block_v: int = 32
     commit_warps: int = 1
     conv_block: int = 128

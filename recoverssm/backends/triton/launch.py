@@ -6,7 +6,7 @@ when a step brings new index tensors).
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 import triton
@@ -68,27 +68,36 @@ def _aligned_token_inputs(q, k, v, out):
 
 
 class RecurrenceTile(NamedTuple):
-    """The recurrence kernel's tile for one (K, V): ``[rows, k_pad / k_inner, row_lanes, k_inner]``."""
+    """The recurrence kernel's tile for one call: ``[row_lanes, rows, k_pad / k_inner, k_inner]``,
+    and the register cap it compiles with."""
     k_pad: int
     k_inner: int
     rows: int
     row_lanes: int
+    max_registers: Optional[int] = None
 
     @property
     def block_v(self) -> int:
         return self.rows * self.row_lanes
 
 
-def recurrence_tile(cfg: LaunchConfig, K: int, V: int) -> RecurrenceTile:
+def recurrence_tile(cfg: LaunchConfig, K: int, V: int, heads_times_rows: Optional[int] = None) -> RecurrenceTile:
     """Fit the configured lanes along K and rows per thread to the problem: K is padded to a power
     of two (at least 4), 4 elements per lane along K (16-byte fp32 loads; the kernel folds each
-    group of 4 with fused multiply-adds), and no more rows than V has."""
+    group of 4 with fused multiply-adds), and no more rows than V has. ``heads_times_rows``
+    (``HV x`` batch rows of the call) selects the small-grid tile when the grid would have fewer
+    than ``cfg.gdn_small_grid_programs`` programs; the lanes along K, hence every row's arithmetic,
+    stay the same."""
     k_pad = max(4, _pow2(K))
     lanes_k = max(1, min(cfg.gdn_lanes_k, k_pad // 4))
     k_inner = min(4 * lanes_k, k_pad)
     row_lanes = (32 // lanes_k) * cfg.gdn_warps
     rows = max(1, min(cfg.gdn_rows, _pow2(V) // row_lanes))
-    return RecurrenceTile(k_pad, k_inner, rows, row_lanes)
+    max_registers = cfg.gdn_max_registers
+    if (heads_times_rows is not None and rows > cfg.gdn_small_grid_rows
+            and triton.cdiv(V, rows * row_lanes) * heads_times_rows < cfg.gdn_small_grid_programs):
+        rows, max_registers = max(1, cfg.gdn_small_grid_rows), cfg.gdn_small_grid_max_registers
+    return RecurrenceTile(k_pad, k_inner, rows, row_lanes, max_registers)
 
 
 def gdn_recurrent(cfg: LaunchConfig, mode: str, q, k, v, state, state_indices, query_start_loc,
@@ -109,7 +118,7 @@ def _launch_recurrent(cfg: LaunchConfig, mode: str, q, k, v, state, state_indice
     B = state_indices.shape[0]
     if B == 0 or T == 0:
         return
-    tile = recurrence_tile(cfg, K, V)
+    tile = recurrence_tile(cfg, K, V, HV * B)
     if mode == "verify":
         corr, key, decay = records
         max_window = corr.shape[2]
@@ -133,7 +142,7 @@ def _launch_recurrent(cfg: LaunchConfig, mode: str, q, k, v, state, state_indice
         dict(H=H, HV=HV, K=K, V=V, STRIDE_S_V=state.stride(2), K_PAD=tile.k_pad, K_INNER=tile.k_inner, ROWS=tile.rows,
              ROW_LANES=tile.row_lanes, GATES_PRECOMPUTED=gates.precomputed,
              USE_L2NORM=bool(use_qk_l2norm), ALIGNED=aligned),
-        cfg.options(cfg.gdn_warps, cfg.gdn_stages, cfg.gdn_max_registers))
+        cfg.options(cfg.gdn_warps, cfg.gdn_stages, tile.max_registers))
 
 
 def plan_commit(cfg: LaunchConfig, num_accepted, state_indices, query_start_loc, request_indices,
