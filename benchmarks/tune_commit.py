@@ -14,7 +14,7 @@ from recoverssm.bench.problems import align_step, commit_context
 from recoverssm.bench.timing import CopyCeiling, median_us
 
 H, K, V = 16, 128, 128
-BLOCK_V, WARPS = [16, 32, 64], [1, 2, 4]
+BLOCK_V, WARPS = [16, 32, 64, 128], [1, 2, 4, 8]
 
 
 def main():
@@ -33,7 +33,8 @@ def main():
         for bv, warps in itertools.product(BLOCK_V, WARPS):
             if bv * K // (32 * warps) < 4 or bv * K // (32 * warps) > 128:
                 continue
-            ctx._committer.set_config(LaunchConfig(commit_block_v=bv, commit_warps=warps))
+            ctx._committer.set_config(LaunchConfig(commit_block_v=bv, commit_warps=warps,
+                                                   commit_block_v_bf16=bv, commit_warps_bf16=warps))
             us = median_us([functools.partial(ctx.commit, step.num_accepted, step.state_indices,
                                               step.query_start_loc, **kw)], iters=40)
             row = dict(case=name, bv=bv, warps=warps, us=round(us, 1),

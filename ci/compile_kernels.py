@@ -110,29 +110,26 @@ def cases(cfg: LaunchConfig, K=128, V=128, H=16, HV=48):
                                 "request_indices_ptr", "block_table_ptr", "num_computed_ptr",
                                 "commit_len_ptr", "final_ptr", "boundary_ptr", "boundary_len_ptr")}
     f32 = {"scale": "fp32"}
-    tiles = {"": recurrence_tile(cfg, K, V), " small grid": recurrence_tile(cfg, K, V, heads_times_rows=1)}
-    for label, tile in tiles.items():
-        if label and tile == tiles[""]:
-            continue
-        for state in ("*fp32", "*bf16"):
-            for gates in (False, True):
-                yield (f"gdn_recurrent{label} precomputed={gates} state={state}", gdn_recurrent_kernel,
-                       dict(H=H, HV=HV, K=K, V=V, STRIDE_S_V=K, K_PAD=tile.k_pad, K_INNER=tile.k_inner,
-                            ROWS=tile.rows, ROW_LANES=tile.row_lanes, GATES_PRECOMPUTED=gates, USE_L2NORM=True,
-                            ALIGNED=True),
-                       {**ints, **f32, "state_ptr": state, "q_ptr": "*bf16", "k_ptr": "*bf16",
-                        "v_ptr": "*bf16", "out_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16"},
-                       cfg.options(cfg.gdn_warps, cfg.gdn_stages, tile.max_registers))
+    tile = recurrence_tile(cfg, K, V)
+    for state in ("*fp32", "*bf16"):
+        for gates in (False, True):
+            yield (f"gdn_recurrent precomputed={gates} state={state}", gdn_recurrent_kernel,
+                   dict(H=H, HV=HV, K=K, V=V, STRIDE_S_V=K, K_PAD=tile.k_pad, K_INNER=tile.k_inner, ROWS=tile.rows,
+                        ROW_LANES=tile.row_lanes, GATES_PRECOMPUTED=gates, USE_L2NORM=True, ALIGNED=True),
+                   {**ints, **f32, "state_ptr": state, "q_ptr": "*bf16", "k_ptr": "*bf16",
+                    "v_ptr": "*bf16", "out_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16"},
+                   cfg.options(cfg.gdn_warps, cfg.gdn_stages, cfg.gdn_max_registers))
     yield ("conv_verify", conv_verify_kernel,
            dict(WIDTH=4, BD=cfg.conv_block, HAS_BIAS=True, SILU=True),
            {**ints, "x_ptr": "*bf16", "conv_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16",
             "out_ptr": "*bf16"}, cfg.options(cfg.conv_warps))
     yield ("plan_commit", plan_commit_kernel, dict(BLOCK=cfg.plan_block), {**ints, "bt_stride": "i64"}, cfg.options(4))
     for state, st in (("fp32", tl.float32), ("bf16", tl.bfloat16)):
+        block_v, warps = cfg.commit_tile(st == tl.bfloat16)
         yield (f"grouped_commit state={state}", grouped_commit_kernel,
-               dict(H=H, HV=HV, K=K, V=V, K_PAD=K, BV=cfg.commit_block_v, BD=cfg.conv_block,
+               dict(H=H, HV=HV, K=K, V=V, K_PAD=K, BV=block_v, BD=cfg.conv_block,
                     CONV_COLS=4, STATE_DTYPE=st, CONV_DTYPE=tl.bfloat16, ALIGNED=True),
-               {**ints, "layer_table_ptr": "*i64", "group_table_ptr": "*i64"}, cfg.options(cfg.commit_warps))
+               {**ints, "layer_table_ptr": "*i64", "group_table_ptr": "*i64"}, cfg.options(warps))
 
 
 def main(argv=None) -> int:
