@@ -88,9 +88,8 @@ def test_verify_options_match_reference(s):
 @pytest.mark.parametrize("s", SETTINGS)
 def test_verify_is_batch_invariant(s):
     """A row's outputs and records do not depend on the rest of the batch: verify of the first two
-    rows alone gives the bits they get inside the whole batch. (A tile chosen by batch size would
-    break this: rows per thread change Triton's layouts and with them the order of the k . q sum,
-    measured on the H200, so the tile depends on K and V only.)"""
+    rows alone gives the bits they get inside the whole batch. On the GPU the whole batch (16 rows
+    x 48 heads) runs the large tile and the two rows the small-grid one (fewer rows per thread)."""
     p = make_problem(s["lens"][0] * 2, padding=(1,), **dims(s))
     out_all, rec_all = verify(p, "cuda")
     n = int(p.query_start_loc[2])
@@ -102,6 +101,46 @@ def test_verify_is_batch_invariant(s):
     assert torch.equal(out_two, out_all[:n])
     for name in ("correction", "key", "decay"):
         assert torch.equal(getattr(rec_two, name)[:2], getattr(rec_all, name)[:2]), name
+
+
+@pytest.mark.parametrize("s", [
+    pytest.param(dict(device="cpu", H=1, HV=2, K=64, V=64), marks=pytest.mark.interpreter, id="interp"),
+    pytest.param(dict(device="cuda", H=4, HV=12, K=128, V=128), marks=pytest.mark.gpu, id="gpu"),
+])
+def test_rows_per_thread_do_not_change_the_bits(s):
+    """The launcher picks fewer rows per thread for a small grid (``launch.recurrence_tile``), so
+    verify of a large batch and native decode of a small one may run different tiles with the same
+    lanes along K: records, outputs and decoded states are identical whatever the rows per thread,
+    and a commit of records from one tile equals native decode under another."""
+    from dataclasses import replace
+
+    from recoverssm.backends.triton import launch
+    from recoverssm.core.backend import GateInputs
+
+    device, K, V = s["device"], s["K"], s["V"]
+    p = make_problem([3, 1, 4, 2], T=4, padding=(1,), H=s["H"], HV=s["HV"], K=K, V=V, device=device,
+                     num_slots=8, sources_below=6)
+    gates = GateInputs(**p.gates)
+    results = []
+    for rows in (8, 4, 2, 1):
+        cfg = replace(launch.LaunchConfig(), gdn_rows=rows)
+        rec = p.records()
+        out = torch.empty_like(p.v)
+        launch.gdn_recurrent(cfg, "verify", p.q, p.k, p.v, p.state, p.state_indices, p.query_start_loc,
+                             gates, K ** -0.5, True, -1, out, (rec.correction, rec.key, rec.decay), None)
+        native = p.state.clone()
+        launch.gdn_recurrent(cfg, "decode", p.q, p.k, p.v, native, p.state_indices, p.query_start_loc,
+                             gates, K ** -0.5, True, -1, torch.empty_like(p.v), None, None)
+        results.append((rows, out, rec, native))
+    _, out8, rec8, native8 = results[0]
+    for rows, out, rec, native in results[1:]:
+        assert torch.equal(out, out8), rows
+        for name in ("correction", "key", "decay"):
+            assert torch.equal(getattr(rec, name), getattr(rec8, name)), (rows, name)
+        assert torch.equal(native, native8), rows
+    committed = p.state.clone()
+    commit(p, committed, rec8, torch.full((p.B,), 4, dtype=torch.int32, device=device), "cuda")
+    assert torch.equal(committed, results[-1][3])
 
 
 @pytest.mark.parametrize("s", SETTINGS)
@@ -436,6 +475,7 @@ def test_commit_matches_decode_whatever_the_input_alignment(s):
         assert torch.equal(committed, native), K
 
 
+# lanes_k=32 runs as 16 (launch.MAX_LANES_K): the entry checks that the clamp keeps the bits right
 TILE_CONFIGS = [dict(gdn_lanes_k=4, gdn_rows=1), dict(gdn_lanes_k=8, gdn_rows=2),
                 dict(gdn_lanes_k=16, gdn_rows=4), dict(gdn_lanes_k=32, gdn_rows=8), dict(gdn_lanes_k=8, gdn_rows=8),
                 dict(gdn_lanes_k=8, gdn_rows=1, gdn_warps=2)]

@@ -20,15 +20,22 @@ def interpreting() -> bool:
 class LaunchConfig:
     """Tile shapes and warps for one backend (one row of a backend's launch table).
 
-    ``gdn_lanes_k``: lanes of a warp along K in the recurrence tile (the rest go along V);
+    ``gdn_lanes_k``: lanes of a warp along K in the recurrence tile (the rest go along V; at most
+    16 are used, ``launch.MAX_LANES_K``);
     ``gdn_rows``: V rows each thread holds (a program covers ``gdn_rows * 32 / gdn_lanes_k`` rows
     per warp); ``gdn_max_registers``: a register cap per thread for the recurrence (Triton's
     ``maxnreg``; without one the compiler takes more than the kernel needs, at the cost of
-    occupancy);
+    occupancy); ``gdn_small_grid_programs``, ``gdn_small_grid_rows``,
+    ``gdn_small_grid_max_registers``: a call whose grid would have fewer programs than
+    ``gdn_small_grid_programs`` (too few to fill the GPU) uses at most ``gdn_small_grid_rows`` rows
+    per thread, with that register cap: more, shorter programs. Rows per thread do not change the
+    arithmetic of a row (the lanes along K do), so calls of either size agree bit for bit;
     ``commit_block_v``, ``commit_warps``: V rows per commit program and its warps;
     ``commit_block_v_bf16``, ``commit_warps_bf16``: the same for bf16 states when set (half the
     bytes per row: the replay's arithmetic, not memory, decides the best tile; the commit is
-    element-wise, so its tile never changes a bit); ``conv_block``: channels per conv program.
+    element-wise, so its tile never changes a bit); ``commit_max_registers``,
+    ``commit_max_registers_bf16``: register caps for the commit (more programs per SM keep more
+    state bytes in flight); ``conv_block``: channels per conv program.
     ``compile_options``: extra options for every launch (e.g. ``grf_mode`` on Intel GPUs).
     """
 
@@ -37,20 +44,26 @@ class LaunchConfig:
     gdn_warps: int = 1
     gdn_stages: Optional[int] = None
     gdn_max_registers: Optional[int] = None
+    gdn_small_grid_programs: int = 0
+    gdn_small_grid_rows: int = 4
+    gdn_small_grid_max_registers: Optional[int] = None
     commit_block_v: int = 32
     commit_warps: int = 1
     commit_block_v_bf16: Optional[int] = None
     commit_warps_bf16: Optional[int] = None
+    commit_max_registers: Optional[int] = None
+    commit_max_registers_bf16: Optional[int] = None
     conv_block: int = 128
     conv_warps: int = 4
     plan_block: int = 128
     compile_options: dict = field(default_factory=dict)
 
-    def commit_tile(self, bf16_state: bool) -> tuple[int, int]:
-        """``(V rows per program, warps)`` of the commit kernel for the state dtype."""
+    def commit_tile(self, bf16_state: bool) -> tuple[int, int, Optional[int]]:
+        """``(V rows per program, warps, register cap)`` of the commit kernel for the state dtype."""
         if bf16_state:
-            return (self.commit_block_v_bf16 or self.commit_block_v, self.commit_warps_bf16 or self.commit_warps)
-        return self.commit_block_v, self.commit_warps
+            return (self.commit_block_v_bf16 or self.commit_block_v, self.commit_warps_bf16 or self.commit_warps,
+                    self.commit_max_registers_bf16 or self.commit_max_registers)
+        return self.commit_block_v, self.commit_warps, self.commit_max_registers
 
     def options(self, num_warps: int, num_stages: Optional[int] = None,
                 max_registers: Optional[int] = None) -> dict:

@@ -59,34 +59,60 @@ def store_masked(ptrs, value, mask, EXACT: tl.constexpr):
 
 
 @triton.jit
-def dot_over_k(x, y):
-    """``sum over K of x * y`` for ``[ROW_LANES, R | 1, K_CHUNKS, K_INNER]`` tiles -> ``[ROW_LANES, R]``.
+def fma_chain(x, y, acc):
+    """``acc`` plus the products of ``x`` and ``y`` ``[..., M]`` over their last axis (held by one
+    thread), one fused multiply-add after another: a chain of M instructions. M is a power of
+    two; the split into halves only renames registers."""
+    M: tl.constexpr = x.shape[len(x.shape) - 1]
+    if M == 1:
+        return tl.fma(tl.reshape(x, x.shape[:-1]), tl.reshape(y, y.shape[:-1]), acc)
+    else:
+        x_even, x_odd = tl.split(tl.reshape(x, x.shape[:-1] + [M // 2, 2]))
+        y_even, y_odd = tl.split(tl.reshape(y, y.shape[:-1] + [M // 2, 2]))
+        return fma_chain(x_odd, y_odd, fma_chain(x_even, y_even, acc))
 
-    Each thread holds K in groups of 4 consecutive elements; a group is folded with an explicit
-    fused multiply-add chain (the kernels are compiled without automatic contraction, which would
-    otherwise leave a multiply and an add per element), then the chunks a thread holds, then the
-    lanes. Splitting the last axis into its 4 group members only renames registers."""
+
+@triton.jit
+def dot_over_k(x, y):
+    """``sum over K of x * y`` for ``[ROW_LANES, R | 1, K_INNER, K_CHUNKS]`` tiles -> ``[ROW_LANES, R]``.
+
+    Each thread folds all the K elements it holds of a row (``K_CHUNKS`` groups of 4) into one
+    chain of fused multiply-adds (the kernels are compiled without automatic contraction, which
+    would otherwise leave a multiply and an add per element), then the lanes are summed. One
+    chain per row costs one instruction per element: folding each group of 4 on its own and
+    adding the groups cost ``2 * (K_CHUNKS - 1)`` more per row (96 per token and warp at the
+    default tile). The reshape to ``[..., K_INNER / 4 (lanes), 4 * K_CHUNKS (the thread's)]``
+    merges two in-thread axes, so it only renames registers."""
     RL: tl.constexpr = x.shape[0]
     R: tl.constexpr = x.shape[1] if x.shape[1] > y.shape[1] else y.shape[1]
-    KC: tl.constexpr = x.shape[2]
-    KI: tl.constexpr = x.shape[3]
-    x01, x23 = tl.split(tl.reshape(tl.broadcast_to(x, [RL, R, KC, KI]), [RL, R, KC, KI // 4, 2, 2]))
-    y01, y23 = tl.split(tl.reshape(tl.broadcast_to(y, [RL, R, KC, KI]), [RL, R, KC, KI // 4, 2, 2]))
-    x0, x1 = tl.split(x01)
-    x2, x3 = tl.split(x23)
-    y0, y1 = tl.split(y01)
-    y2, y3 = tl.split(y23)
-    group = tl.fma(x3, y3, tl.fma(x2, y2, tl.fma(x1, y1, x0 * y0)))    # [RL, R, KC, KI // 4]
-    return tl.sum(tl.sum(group, axis=2), axis=2)
+    KI: tl.constexpr = x.shape[2]
+    KC: tl.constexpr = x.shape[3]
+    xs = tl.reshape(tl.broadcast_to(x, [RL, R, KI, KC]), [RL, R, KI // 4, 4 * KC])
+    ys = tl.reshape(tl.broadcast_to(y, [RL, R, KI, KC]), [RL, R, KI // 4, 4 * KC])
+    return tl.sum(fma_chain(xs, ys, tl.zeros([RL, R, KI // 4], dtype=tl.float32)), axis=2)
+
+
+@triton.jit
+def token_dot(x, y):
+    """``sum over K of x * y`` for two token vectors ``[ROW_LANES, 1, K_INNER, K_CHUNKS]`` (each
+    broadcast over the row lanes): one scalar.
+
+    A scalar has no layout. A reduction whose result had one could be recomputed by Triton in a
+    second layout for a consumer that wants it (it did for ``k . k`` at 32 lanes along K), with
+    the lanes summed in another order: the normalized key stored as the replay record then
+    differed in the last bit from the key of the in-kernel update, and commit != decode. Every
+    copy of ``k^`` computed from a scalar norm is the same elementwise product."""
+    per_lane_group = dot_over_k(x, y)                              # [ROW_LANES, 1], all equal
+    return tl.max(tl.max(per_lane_group, axis=1), axis=0)
 
 
 @triton.jit
 def inverse_l2_norm(x):
-    """``1 / sqrt(sum(x^2) + eps)`` over K of a ``[ROW_LANES, 1, K_CHUNKS, K_INNER]`` vector,
-    shaped to multiply it. The hardware's reciprocal square root (about 2 ulp) rather than IEEE
-    ``sqrt_rn``/``div_rn``: those are subroutines that cost registers, hence occupancy; the
-    normalized key is recorded, so the commit replays it exactly either way."""
-    return tl.rsqrt(dot_over_k(x, x) + L2NORM_EPS)[:, :, None, None]
+    """``1 / sqrt(sum(x^2) + eps)`` over K of a token vector: a scalar. The hardware's reciprocal
+    square root (about 2 ulp) rather than IEEE ``sqrt_rn``/``div_rn``: those are subroutines
+    that cost registers, hence occupancy; the normalized key is recorded, so the commit replays
+    it exactly either way."""
+    return tl.rsqrt(token_dot(x, x) + L2NORM_EPS)
 
 
 @triton.jit
@@ -116,8 +142,7 @@ def delta_rule_step(S, k_hat, q_hat, v, beta, decay):
     partial_out = dot_over_k(S, q_hat)
     correction = beta * (v - predicted)
     S = tl.fma(correction[:, :, None, None], k_hat, S)
-    k_dot_q = dot_over_k(k_hat, q_hat)
-    out = tl.fma(correction, k_dot_q, partial_out)
+    out = tl.fma(correction, token_dot(k_hat, q_hat), partial_out)
     return S, correction, out
 
 
@@ -132,8 +157,8 @@ def fetch_token(tok, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, stride_q_t, stride_k_t, 
     k_ptrs = k_ptr + tok * stride_k_t + k_head + offs_k
     q_ptrs = q_ptr + tok * stride_q_t + q_head + offs_k
     if ALIGNED:   # the launcher guarantees 16-byte aligned rows; 4-element groups match the tile
-        k_ptrs = tl.max_contiguous(tl.multiple_of(k_ptrs, [1, 1, 8, 8]), [1, 1, 1, 4])
-        q_ptrs = tl.max_contiguous(tl.multiple_of(q_ptrs, [1, 1, 8, 8]), [1, 1, 1, 4])
+        k_ptrs = tl.max_contiguous(tl.multiple_of(k_ptrs, [1, 1, 8, 8]), [1, 1, 4, 1])
+        q_ptrs = tl.max_contiguous(tl.multiple_of(q_ptrs, [1, 1, 8, 8]), [1, 1, 4, 1])
     k_t = load_masked(k_ptrs, mask_k, EXACT_K)
     q_t = load_masked(q_ptrs, mask_k, EXACT_K)
     v_t = load_masked(v_ptr + tok * stride_v_t + v_head + offs_v, mask_v, EXACT_V)
@@ -214,13 +239,13 @@ def gdn_recurrent_kernel(
     chunk = tl.arange(0, K_CHUNKS)
     offs_v = i_v * BV + lane_v[:, None] * ROWS + tl.arange(0, ROWS)[None, :]          # [RL, R]
     mask_v = offs_v < V
-    offs_k = (chunk[None, None, :, None] * K_INNER + tl.arange(0, K_INNER)[None, None, None, :]
-              + 0 * lane_v[:, None, None, None])                # [RL, 1, KC, KI], broadcast over RL
+    offs_k = (tl.arange(0, K_INNER)[None, None, :, None] + chunk[None, None, None, :] * K_INNER
+              + 0 * lane_v[:, None, None, None])                # [RL, 1, KI, KC], broadcast over RL
     mask_k = offs_k < K
     # The state's row stride is a constexpr: the tile's offsets are then constants from one base
     # address rather than addresses held in registers across the token loop (the state is the one
     # tensor verify and decode share, so specializing on it keeps them one binary).
-    tile = offs_v[:, :, None, None] * STRIDE_S_V + offs_k       # [RL, R, KC, KI]
+    tile = offs_v[:, :, None, None] * STRIDE_S_V + offs_k       # [RL, R, KI, KC]
     mask_tile = mask_v[:, :, None, None] & mask_k
     q_head = h * stride_q_h
     k_head = h * stride_k_h
@@ -260,7 +285,7 @@ def gdn_recurrent_kernel(
                     if hv % (HV // H) == 0:   # one program per q/k head writes its key
                         key_rec = (row * H + h).to(tl.int64) * max_window + t
                         # every lane group holds the whole key: lane group j writes chunks j, j + RL, ...
-                        writer = (chunk[None, None, :, None] % ROW_LANES) == lane_v[:, None, None, None]
+                        writer = (chunk[None, None, None, :] % ROW_LANES) == lane_v[:, None, None, None]
                         tl.store(key_ptr + key_rec * K + offs_k, k_hat, mask=mask_k & writer)
             # State stores, both from inside the loop: the snapshot after every position, and
             # native decode's final state after the last one (into the row's own slot). Keeping

@@ -6,7 +6,7 @@ when a step brings new index tensors).
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 import triton
@@ -67,28 +67,44 @@ def _aligned_token_inputs(q, k, v, out):
     return q, k, v, kernel_out, aligned
 
 
+MAX_LANES_K = 16
+
+
 class RecurrenceTile(NamedTuple):
-    """The recurrence kernel's tile for one (K, V): ``[rows, k_pad / k_inner, row_lanes, k_inner]``."""
+    """The recurrence kernel's tile for one call: ``[row_lanes, rows, k_inner, k_pad / k_inner]``,
+    and the register cap it compiles with."""
     k_pad: int
     k_inner: int
     rows: int
     row_lanes: int
+    max_registers: Optional[int] = None
 
     @property
     def block_v(self) -> int:
         return self.rows * self.row_lanes
 
 
-def recurrence_tile(cfg: LaunchConfig, K: int, V: int) -> RecurrenceTile:
+def recurrence_tile(cfg: LaunchConfig, K: int, V: int, heads_times_rows: Optional[int] = None) -> RecurrenceTile:
     """Fit the configured lanes along K and rows per thread to the problem: K is padded to a power
-    of two (at least 4), 4 elements per lane along K (16-byte fp32 loads; the kernel folds each
-    group of 4 with fused multiply-adds), and no more rows than V has."""
+    of two (at least 4), 4 elements per lane along K (16-byte fp32 loads), and no more rows than V
+    has. ``heads_times_rows`` (``HV x`` batch rows of the call) selects fewer rows per thread when
+    the grid would have fewer than ``cfg.gdn_small_grid_programs`` programs. The lanes along K, and
+    with them every row's arithmetic, stay the same: each row's reductions over K are one chain of
+    fused multiply-adds per thread in a fixed order, then the same lanes (gdn.py), so the rows a thread
+    holds never change a bit (tested: ``test_rows_per_thread_do_not_change_the_bits``)."""
     k_pad = max(4, _pow2(K))
-    lanes_k = max(1, min(cfg.gdn_lanes_k, k_pad // 4))
+    # At most 16 lanes along K, so a warp always has at least 2 row lanes: with all 32 lanes along
+    # K (one row lane) the H200 build's committed state differed from native decode in the last
+    # bit (2.7% of elements, Triton 3.6; docs/DESIGN.md), and that tile was also the slowest.
+    lanes_k = max(1, min(cfg.gdn_lanes_k, MAX_LANES_K, k_pad // 4))
     k_inner = min(4 * lanes_k, k_pad)
     row_lanes = (32 // lanes_k) * cfg.gdn_warps
     rows = max(1, min(cfg.gdn_rows, _pow2(V) // row_lanes))
-    return RecurrenceTile(k_pad, k_inner, rows, row_lanes)
+    max_registers = cfg.gdn_max_registers
+    if (heads_times_rows is not None and rows > cfg.gdn_small_grid_rows
+            and triton.cdiv(V, rows * row_lanes) * heads_times_rows < cfg.gdn_small_grid_programs):
+        rows, max_registers = max(1, cfg.gdn_small_grid_rows), cfg.gdn_small_grid_max_registers
+    return RecurrenceTile(k_pad, k_inner, rows, row_lanes, max_registers)
 
 
 def gdn_recurrent(cfg: LaunchConfig, mode: str, q, k, v, state, state_indices, query_start_loc,
@@ -109,7 +125,7 @@ def _launch_recurrent(cfg: LaunchConfig, mode: str, q, k, v, state, state_indice
     B = state_indices.shape[0]
     if B == 0 or T == 0:
         return
-    tile = recurrence_tile(cfg, K, V)
+    tile = recurrence_tile(cfg, K, V, HV * B)
     if mode == "verify":
         corr, key, decay = records
         max_window = corr.shape[2]
@@ -133,7 +149,7 @@ def _launch_recurrent(cfg: LaunchConfig, mode: str, q, k, v, state, state_indice
         dict(H=H, HV=HV, K=K, V=V, STRIDE_S_V=state.stride(2), K_PAD=tile.k_pad, K_INNER=tile.k_inner, ROWS=tile.rows,
              ROW_LANES=tile.row_lanes, GATES_PRECOMPUTED=gates.precomputed,
              USE_L2NORM=bool(use_qk_l2norm), ALIGNED=aligned),
-        cfg.options(cfg.gdn_warps, cfg.gdn_stages, cfg.gdn_max_registers))
+        cfg.options(cfg.gdn_warps, cfg.gdn_stages, tile.max_registers))
 
 
 def plan_commit(cfg: LaunchConfig, num_accepted, state_indices, query_start_loc, request_indices,
@@ -221,14 +237,14 @@ class TritonCommitter(Committer):
         """Fix the launch for ``cfg``: everything but the step's tensors is constant for the
         context, so each commit reuses it (benchmarks/tune_commit.py switches configs here)."""
         self.cfg = cfg
-        block_v, warps = cfg.commit_tile(self.state_dtype == "bf16")
+        block_v, warps, max_registers = cfg.commit_tile(self.state_dtype == "bf16")
         block_v = min(block_v, _pow2(self.V))
         self.items = self.HV * triton.cdiv(self.V, block_v) + triton.cdiv(self.max_conv_dim, cfg.conv_block)
         self.constexprs = dict(H=self.H, HV=self.HV, K=self.K, V=self.V, K_PAD=_pow2(self.K), BV=block_v,
                                BD=cfg.conv_block, CONV_COLS=self.conv_cols,
                                STATE_DTYPE=_dtype(self.state_dtype), CONV_DTYPE=_dtype(self.conv_dtype),
                                ALIGNED=self.aligned)
-        self.options = cfg.options(warps)
+        self.options = cfg.options(warps, max_registers=max_registers)
 
     def _upload(self, rows, shape, pointer_columns) -> torch.Tensor:
         """Encode a table on the host (pointer columns with the backend's encoding) and copy it over."""
