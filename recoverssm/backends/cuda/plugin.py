@@ -16,9 +16,10 @@ class CudaBackend(TritonBackend):
     device_types = ("cuda",)
     pointer_encoding = PointerEncoding.INT64
     launch_table = {
-        # below 2048 programs (N = 8 at HV = 48) 4 rows per thread, capped to fit 12 warps per SM,
-        # beat 8 rows (docs/BENCHMARKS.md)
-        None: LaunchConfig(gdn_small_grid_programs=2048, gdn_small_grid_rows=4, gdn_small_grid_max_registers=168,
+        # A grid of fewer than 792 programs (N <= 4 at HV = 48) takes 4 rows per thread, capped to
+        # fit 12 warps per SM: twice the programs still fit one wave (132 SMs x 12 / 2). Larger
+        # grids keep 8 rows: at N = 8 the small tile needed a second wave (docs/BENCHMARKS.md).
+        None: LaunchConfig(gdn_small_grid_programs=792, gdn_small_grid_rows=4, gdn_small_grid_max_registers=168,
                            commit_block_v_bf16=64, commit_warps_bf16=4),
     }
 
