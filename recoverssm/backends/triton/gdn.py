@@ -6,25 +6,26 @@ compiled kernel, and the per-token step is one ``@triton.jit`` helper, so verify
 exactly the ``c_t`` the native paths compute (same machine code, same reduction order) and a
 commit of them is bit-identical.
 
-**Tile layout.** The tile is ``[ROW_LANES, ROWS, K_CHUNKS, K_INNER]``: V row
+**Tile layout.** The tile is ``[ROW_LANES, ROWS, K_INNER, K_CHUNKS]``: V row
 ``lane * ROWS + row`` and K column ``chunk * K_INNER + inner``. Loads are 4 elements wide along
 ``K_INNER``, so a warp's lanes split into ``K_INNER / 4`` lanes along K and ``ROW_LANES`` lanes
 along V (the dimension order makes Triton's default layout put the lanes exactly there, and
 ``k``/``q`` share it: they are loaded broadcast over ``ROW_LANES``, ``offs_k``), and every thread
-keeps ``ROWS x K_CHUNKS`` groups of 4 K-contiguous elements. The launch table chooses the split
+keeps ``ROWS x K_CHUNKS`` groups of 4 K-contiguous elements; with the chunks last, a row's
+elements in one thread are adjacent in-thread axes, which ``dot_over_k`` merges into one. The launch table chooses the split
 (``gdn_lanes_k``, ``gdn_rows``). On the H200 the best is 8 lanes along K and 8 rows per thread:
 128 state elements per thread, so each token's fixed work (loading and normalizing ``k`` and
-``q``, the gates, 3 shuffle steps per reduction) is spread over many elements; with 32 lanes
-along K the two reductions need 5 shuffle steps for every row a thread holds, and those cost more
-than the state arithmetic (docs/BENCHMARKS.md).
+``q``, the gates, 3 shuffle steps per reduction) is spread over many elements; with 16 lanes
+along K (the most ``launch.recurrence_tile`` allows) the two reductions need 4 shuffle steps for
+every row a thread holds (docs/BENCHMARKS.md).
 
 **Latency.** Each token's inputs are fetched one token ahead (``fetch_token``), so their loads
 are in flight while the previous token is computed; with few warps per SM (one program holds 128
 state values per thread) nothing else would hide them.
 
 **Rounding.** The kernels are compiled without automatic contraction (``config.py``); every fused
-multiply-add is explicit: the update ``S = fma(c, k^, S')`` and the fold of each thread's groups
-of 4 products in ``dot_over_k``. ``S' = S * d`` is one multiply whose result is both reduced and
+multiply-add is explicit: the update ``S = fma(c, k^, S')`` and each thread's chain of products
+in ``dot_over_k``. ``S' = S * d`` is one multiply whose result is both reduced and
 updated. Verify, decode and snapshot execute the same instructions on the same values.
 """
 import triton
@@ -127,9 +128,9 @@ def softplus(x):
 
 @triton.jit
 def delta_rule_step(S, k_hat, q_hat, v, beta, decay):
-    """One token of the gated delta rule on a ``[ROW_LANES, R, K_CHUNKS, K_INNER]`` fp32 tile.
+    """One token of the gated delta rule on a ``[ROW_LANES, R, K_INNER, K_CHUNKS]`` fp32 tile.
 
-    ``k_hat``, ``q_hat``: ``[ROW_LANES, 1, K_CHUNKS, K_INNER]``; ``v``: ``[ROW_LANES, R]``;
+    ``k_hat``, ``q_hat``: ``[ROW_LANES, 1, K_INNER, K_CHUNKS]``; ``v``: ``[ROW_LANES, R]``;
     ``beta``, ``decay``: scalars. Returns the new tile, the correction ``c_t`` ``[ROW_LANES, R]``
     (the replay record) and the output.
 
