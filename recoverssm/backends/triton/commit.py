@@ -160,39 +160,13 @@ def grouped_commit_kernel(
     lt = layer_table_ptr + layer * LAYER_FIELDS
     group = tl.load(lt + LAYER_GROUP)
     gt = group_table_ptr + group * GROUP_FIELDS
-    state_indices = tl.load(gt + GROUP_STATE_INDICES).to(tl.pointer_type(tl.int32))
     request_indices = tl.load(gt + GROUP_REQUEST_INDICES)
     block_table = tl.load(gt + GROUP_BLOCK_TABLE)
     max_window = tl.load(lt + LAYER_MAX_WINDOW).to(tl.int32)
     num_slots = tl.load(lt + LAYER_NUM_SLOTS).to(tl.int32)
-
-    # The state tile programs issue the source tile's loads before the commit plan: the tile
-    # depends only on the row's source slot, while the plan is a chain of dependent loads
-    # (request -> accepted count -> computed tokens -> block table). Issued after it, as before,
-    # every program waited for that chain before its first state byte was requested. The tile is
-    # read whenever the source slot is valid, even for a row whose plan then commits nothing.
-    state_item = item < HV * V_TILES
-    hv = item // V_TILES
-    h = hv // (HV // H)
-    offs_v = (item % V_TILES) * BV + tl.arange(0, BV)
-    mask_v = offs_v < V
-    offs_k = tl.arange(0, K_PAD)
-    mask_k = offs_k < K
-    VEC: tl.constexpr = 128 // STATE_DTYPE.primitive_bitwidth  # elements per 16 bytes
-    state = table_pointer(lt, LAYER_STATE, STATE_DTYPE, ALIGNED)
-    slot_stride = table_entry(lt, LAYER_STATE_SLOT_STRIDE, ALIGNED, VEC)
-    head = hv * table_entry(lt, LAYER_STATE_HEAD_STRIDE, ALIGNED, VEC)
-    tile = offs_v[:, None] * table_entry(lt, LAYER_STATE_V_STRIDE, ALIGNED, VEC) + offs_k[None, :]
-    mask = mask_v[:, None] & mask_k[None, :]
-    source = tl.load(state_indices + row)
-    source_ok = state_item & (source > null_slot) & (source < num_slots)
-    # Read the source tile once, before anything is stored: the boundary (or final) slot may be
-    # the source slot itself.
-    S = tl.load(state + source.to(tl.int64) * slot_stride + head + tile,
-                mask=tl.where(source_ok, mask, False), other=0.0).to(tl.float32)
-
     n, src, final, boundary, boundary_len = plan_row(
-        row, row >= 0, num_accepted_ptr, qsl_ptr, state_indices,
+        row, row >= 0, num_accepted_ptr, qsl_ptr,
+        tl.load(gt + GROUP_STATE_INDICES).to(tl.pointer_type(tl.int32)),
         request_indices.to(tl.pointer_type(tl.int32)),
         block_table.to(tl.pointer_type(tl.int32)),
         tl.load(gt + GROUP_NUM_COMPUTED).to(tl.pointer_type(tl.int32)),
@@ -202,10 +176,26 @@ def grouped_commit_kernel(
         num_requests, null_slot, num_slots, max_window)
 
     if n > 0:
-        if state_item:
+        if item < HV * V_TILES:
+            hv = item // V_TILES
+            h = hv // (HV // H)
+            offs_v = (item % V_TILES) * BV + tl.arange(0, BV)
+            mask_v = offs_v < V
+            offs_k = tl.arange(0, K_PAD)
+            mask_k = offs_k < K
+            VEC: tl.constexpr = 128 // STATE_DTYPE.primitive_bitwidth  # elements per 16 bytes
+            state = table_pointer(lt, LAYER_STATE, STATE_DTYPE, ALIGNED)
+            slot_stride = table_entry(lt, LAYER_STATE_SLOT_STRIDE, ALIGNED, VEC)
+            head = hv * table_entry(lt, LAYER_STATE_HEAD_STRIDE, ALIGNED, VEC)
+            tile = offs_v[:, None] * table_entry(lt, LAYER_STATE_V_STRIDE, ALIGNED, VEC) + offs_k[None, :]
+            mask = mask_v[:, None] & mask_k[None, :]
             corr_row = table_pointer(lt, LAYER_CORRECTION, tl.float32, ALIGNED) + (row * HV + hv).to(tl.int64) * max_window * V
             key_row = table_pointer(lt, LAYER_KEY, tl.float32, ALIGNED) + (row * H + h).to(tl.int64) * max_window * K
             decay_row = table_pointer(lt, LAYER_DECAY, tl.float32, False) + (row * HV + hv).to(tl.int64) * max_window
+
+            # Read the source tile once, before anything is stored: the boundary (or final)
+            # slot may be the source slot itself.
+            S = tl.load(state + src.to(tl.int64) * slot_stride + head + tile, mask=mask, other=0.0).to(tl.float32)
             S = replay_tokens(S, corr_row, key_row, decay_row, 0, boundary_len,
                               offs_v, mask_v, offs_k, mask_k, V, K)
             if boundary > null_slot:
@@ -225,16 +215,16 @@ def grouped_commit_kernel(
                 col_stride = tl.load(lt + LAYER_CONV_COL_STRIDE)
                 chan = offs_d[:, None] * tl.load(lt + LAYER_CONV_DIM_STRIDE)
                 cols = tl.arange(0, CONV_COLS)[None, :]
-                conv_slot_stride = tl.load(lt + LAYER_CONV_SLOT_STRIDE)
+                slot_stride = tl.load(lt + LAYER_CONV_SLOT_STRIDE)
                 mask_d = (offs_d < conv_dim)[:, None]
-                src_row = conv_state + src.to(tl.int64) * conv_slot_stride + chan
+                src_row = conv_state + src.to(tl.int64) * slot_stride + chan
                 keep = mask_d & (cols < history)
                 final_cols = tl.load(src_row + (cols + n) * col_stride, mask=keep, other=0.0)
                 boundary_cols = tl.load(src_row + (cols + boundary_len) * col_stride,
                                         mask=tl.where(boundary > null_slot, keep, False), other=0.0)
                 tl.debug_barrier()
                 if boundary > null_slot:
-                    tl.store(conv_state + boundary.to(tl.int64) * conv_slot_stride + chan + cols * col_stride,
+                    tl.store(conv_state + boundary.to(tl.int64) * slot_stride + chan + cols * col_stride,
                              boundary_cols, mask=keep)
-                tl.store(conv_state + final.to(tl.int64) * conv_slot_stride + chan + cols * col_stride,
+                tl.store(conv_state + final.to(tl.int64) * slot_stride + chan + cols * col_stride,
                          final_cols, mask=keep)
