@@ -25,17 +25,20 @@ class LaunchConfig:
     ``gdn_rows``: V rows each thread holds (a program covers ``gdn_rows * 32 / gdn_lanes_k`` rows
     per warp); ``gdn_max_registers``: a register cap per thread for the recurrence (Triton's
     ``maxnreg``; without one the compiler takes more than the kernel needs, at the cost of
-    occupancy); ``gdn_small_grid_programs``, ``gdn_small_grid_rows``,
+    occupancy); ``gdn_subtiles``: state tiles one program walks in turn, loading the next one
+while it computes the current one (the loads of a tile then overlap arithmetic inside each warp,
+not only across warps); ``gdn_small_grid_programs``, ``gdn_small_grid_rows``,
     ``gdn_small_grid_max_registers``: a call whose grid would have fewer programs than
     ``gdn_small_grid_programs`` (too few to fill the GPU) uses at most ``gdn_small_grid_rows`` rows
-    per thread, with that register cap: more, shorter programs. Rows per thread do not change the
+    per thread and one tile per program, with that register cap: more, shorter programs. Rows per thread do not change the
     arithmetic of a row (the lanes along K do), so calls of either size agree bit for bit;
     ``commit_block_v``, ``commit_warps``: V rows per commit program and its warps;
     ``commit_block_v_bf16``, ``commit_warps_bf16``: the same for bf16 states when set (half the
     bytes per row: the replay's arithmetic, not memory, decides the best tile; the commit is
     element-wise, so its tile never changes a bit); ``commit_max_registers``,
     ``commit_max_registers_bf16``: register caps for the commit (more programs per SM keep more
-    state bytes in flight); ``conv_block``: channels per conv program.
+    state bytes in flight); ``conv_block``: channels per conv program; ``prepare_warps``: warps of
+the token preparation kernel (one program per token and q/k head).
     ``compile_options``: extra options for every launch (e.g. ``grf_mode`` on Intel GPUs).
     """
 
@@ -44,6 +47,7 @@ class LaunchConfig:
     gdn_warps: int = 1
     gdn_stages: Optional[int] = None
     gdn_max_registers: Optional[int] = None
+    gdn_subtiles: int = 1
     gdn_small_grid_programs: int = 0
     gdn_small_grid_rows: int = 4
     gdn_small_grid_max_registers: Optional[int] = None
@@ -56,6 +60,7 @@ class LaunchConfig:
     conv_block: int = 128
     conv_warps: int = 4
     plan_block: int = 128
+    prepare_warps: int = 1
     compile_options: dict = field(default_factory=dict)
 
     def commit_tile(self, bf16_state: bool) -> tuple[int, int, Optional[int]]:

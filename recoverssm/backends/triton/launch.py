@@ -19,10 +19,12 @@ from .commit import grouped_commit_kernel, plan_commit_kernel
 from .conv import conv_verify_kernel
 from .direct_launch import DirectLauncher
 from .gdn import MODE_DECODE, MODE_SNAPSHOT, MODE_VERIFY, gdn_recurrent_kernel
+from .gdn_prepare import gdn_prepare_kernel
 
 MODES = {"verify": MODE_VERIFY.value, "decode": MODE_DECODE.value, "snapshot": MODE_SNAPSHOT.value}
 # The two launches on every speculative step (verify per layer, one commit for all layers) skip
 # Triton's per-call specialization work once compiled (see direct_launch.py).
+_PREPARE = DirectLauncher(gdn_prepare_kernel)
 _RECURRENCE = DirectLauncher(gdn_recurrent_kernel)
 _GROUPED_COMMIT = DirectLauncher(grouped_commit_kernel)
 INT32_MAX = 2**31 - 1
@@ -56,15 +58,14 @@ def _rows_aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and all(s % vec == 0 for s in t.stride()[:-1])
 
 
-def _aligned_token_inputs(q, k, v, out):
-    """Return ``(q, k, v, kernel_out, aligned)`` such that every call with the same shapes and
-    dtypes compiles to the same kernel: inputs whose rows are not 16-byte aligned are copied into
-    packed tensors (small next to the state), and a misaligned ``out`` is written through a packed
-    buffer. ``aligned`` is False only where packing cannot align rows (odd head sizes)."""
-    q, k, v = (t if _rows_aligned(t) else t.contiguous() for t in (q, k, v))
+def _aligned_token_inputs(v, out):
+    """Return ``(v, kernel_out, aligned)`` such that every call with the same shapes and dtypes
+    compiles to the same recurrence kernel: a ``v`` whose rows are not 16-byte aligned is copied
+    into a packed tensor (small next to the state), and a misaligned ``out`` is written through a
+    packed buffer. ``aligned`` is False only where packing cannot align rows (odd head sizes)."""
+    v = v if _rows_aligned(v) else v.contiguous()
     kernel_out = out if _rows_aligned(out) else torch.empty(out.shape, dtype=out.dtype, device=out.device)
-    aligned = all(_rows_aligned(t) for t in (q, k, v, kernel_out))
-    return q, k, v, kernel_out, aligned
+    return v, kernel_out, _rows_aligned(v) and _rows_aligned(kernel_out)
 
 
 MAX_LANES_K = 16
@@ -72,12 +73,13 @@ MAX_LANES_K = 16
 
 class RecurrenceTile(NamedTuple):
     """The recurrence kernel's tile for one call: ``[row_lanes, rows, k_inner, k_pad / k_inner]``,
-    and the register cap it compiles with."""
+    the tiles each program walks in turn, and the register cap it compiles with."""
     k_pad: int
     k_inner: int
     rows: int
     row_lanes: int
     max_registers: Optional[int] = None
+    subtiles: int = 1
 
     @property
     def block_v(self) -> int:
@@ -100,31 +102,68 @@ def recurrence_tile(cfg: LaunchConfig, K: int, V: int, heads_times_rows: Optiona
     k_inner = min(4 * lanes_k, k_pad)
     row_lanes = (32 // lanes_k) * cfg.gdn_warps
     rows = max(1, min(cfg.gdn_rows, _pow2(V) // row_lanes))
+    subtiles = max(1, min(cfg.gdn_subtiles, triton.cdiv(V, rows * row_lanes)))
     max_registers = cfg.gdn_max_registers
-    if (heads_times_rows is not None and rows > cfg.gdn_small_grid_rows
-            and triton.cdiv(V, rows * row_lanes) * heads_times_rows < cfg.gdn_small_grid_programs):
-        rows, max_registers = max(1, cfg.gdn_small_grid_rows), cfg.gdn_small_grid_max_registers
-    return RecurrenceTile(k_pad, k_inner, rows, row_lanes, max_registers)
+    if (heads_times_rows is not None
+            and triton.cdiv(V, rows * row_lanes * subtiles) * heads_times_rows < cfg.gdn_small_grid_programs):
+        rows = max(1, min(rows, cfg.gdn_small_grid_rows))
+        subtiles, max_registers = 1, cfg.gdn_small_grid_max_registers
+    return RecurrenceTile(k_pad, k_inner, rows, row_lanes, max_registers, subtiles)
 
 
 def gdn_recurrent(cfg: LaunchConfig, mode: str, q, k, v, state, state_indices, query_start_loc,
                   gates: GateInputs, scale: float, use_qk_l2norm: bool, null_slot: int, out,
                   records, snapshot_slots) -> None:
-    q, k, v, kernel_out, aligned = _aligned_token_inputs(q, k, v, out)
-    _launch_recurrent(cfg, mode, q, k, v, state, state_indices, query_start_loc, gates, scale,
-                      use_qk_l2norm, null_slot, kernel_out, records, snapshot_slots, aligned)
+    T, H, K = q.shape
+    if state_indices.shape[0] == 0 or T == 0:
+        return
+    prepared = prepare_tokens(cfg, q, k, gates, scale, use_qk_l2norm, v.shape[1])
+    v, kernel_out, aligned = _aligned_token_inputs(v, out)
+    _launch_recurrent(cfg, mode, v, prepared, state, state_indices, query_start_loc, null_slot, kernel_out,
+                      records, snapshot_slots, K, H, aligned)
     if kernel_out is not out:
         out.copy_(kernel_out)
 
 
-def _launch_recurrent(cfg: LaunchConfig, mode: str, q, k, v, state, state_indices, query_start_loc,
-                      gates: GateInputs, scale: float, use_qk_l2norm: bool, null_slot: int, out,
-                      records, snapshot_slots, aligned: bool) -> None:
+class PreparedTokens(NamedTuple):
+    """The per-token values ``gdn_prepare_kernel`` writes (fp32 views of one scratch buffer;
+    layout in gdn_prepare.py)."""
+    k_hat: torch.Tensor     # [T, H, K_PAD]
+    q_hat: torch.Tensor     # [T, H, K_PAD]
+    k_dot_q: torch.Tensor   # [T, H]
+    decay: torch.Tensor     # [T, HV]
+    beta: torch.Tensor      # [T, HV]
+
+
+def prepare_tokens(cfg: LaunchConfig, q, k, gates: GateInputs, scale: float, use_qk_l2norm: bool,
+                   HV: int) -> PreparedTokens:
+    """Normalized keys and queries and the gates of every token of the call, in one launch."""
     T, H, K = q.shape
-    HV, V = v.shape[1], v.shape[2]
+    k_pad = max(4, _pow2(K))
+    sizes = (T * H * k_pad, T * H * k_pad, T * H, T * HV, T * HV)
+    flat = torch.empty(sum(sizes), dtype=torch.float32, device=q.device)
+    k_hat, q_hat, k_dot_q, decay, beta = torch.split(flat, sizes)
+    prepared = PreparedTokens(k_hat.view(T, H, k_pad), q_hat.view(T, H, k_pad), k_dot_q.view(T, H),
+                              decay.view(T, HV), beta.view(T, HV))
+    if gates.precomputed:
+        a, b, A_log, dt_bias = gates.g, gates.beta, gates.g, gates.g
+    else:
+        a, b, A_log, dt_bias = gates.a, gates.b, gates.A_log, gates.dt_bias
+    _PREPARE(
+        (T, H),
+        (q, k, a, b, A_log, dt_bias, *prepared,
+         q.stride(0), q.stride(1), k.stride(0), k.stride(1), a.stride(0), b.stride(0), scale),
+        dict(H=H, HV=HV, K=K, K_PAD=k_pad, GROUP_PAD=_pow2(HV // H), GATES_PRECOMPUTED=gates.precomputed,
+             USE_L2NORM=bool(use_qk_l2norm)),
+        cfg.options(cfg.prepare_warps))
+    return prepared
+
+
+def _launch_recurrent(cfg: LaunchConfig, mode: str, v, prepared: PreparedTokens, state, state_indices,
+                      query_start_loc, null_slot: int, out, records, snapshot_slots, K: int, H: int,
+                      aligned: bool) -> None:
+    T, HV, V = v.shape
     B = state_indices.shape[0]
-    if B == 0 or T == 0:
-        return
     tile = recurrence_tile(cfg, K, V, HV * B)
     if mode == "verify":
         corr, key, decay = records
@@ -133,22 +172,16 @@ def _launch_recurrent(cfg: LaunchConfig, mode: str, q, k, v, state, state_indice
         corr = key = decay = out           # unused by these modes; any valid pointer will do
         max_window = snapshot_slots.shape[1] if mode == "snapshot" else INT32_MAX
     snap = snapshot_slots if snapshot_slots is not None else state_indices
-    if gates.precomputed:
-        a, b, A_log, dt_bias = gates.g, gates.beta, gates.g, gates.g
-    else:
-        a, b, A_log, dt_bias = gates.a, gates.b, gates.A_log, gates.dt_bias
-    grid = (triton.cdiv(V, tile.block_v), HV, B)
+    grid = (triton.cdiv(V, tile.block_v * tile.subtiles), HV, B)
     _RECURRENCE(
         grid,
-        (q, k, v, a, b, A_log, dt_bias, out, state, state_indices, query_start_loc,
+        (v, *prepared, out, state, state_indices, query_start_loc,
          corr, key, decay, snap,
-         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-         a.stride(0), b.stride(0), out.stride(0), out.stride(1),
+         v.stride(0), v.stride(1), out.stride(0), out.stride(1),
          state.stride(0), state.stride(1), snap.stride(0),
-         T, state.shape[0], null_slot, max_window, scale, MODES[mode]),
-        dict(H=H, HV=HV, K=K, V=V, STRIDE_S_V=state.stride(2), K_PAD=tile.k_pad, K_INNER=tile.k_inner, ROWS=tile.rows,
-             ROW_LANES=tile.row_lanes, GATES_PRECOMPUTED=gates.precomputed,
-             USE_L2NORM=bool(use_qk_l2norm), ALIGNED=aligned),
+         T, state.shape[0], null_slot, max_window, MODES[mode]),
+        dict(H=H, HV=HV, K=K, V=V, STRIDE_S_V=state.stride(2), K_PAD=tile.k_pad, K_INNER=tile.k_inner,
+             ROWS=tile.rows, ROW_LANES=tile.row_lanes, SUBTILES=tile.subtiles, ALIGNED=aligned),
         cfg.options(cfg.gdn_warps, cfg.gdn_stages, tile.max_registers))
 
 
