@@ -9,10 +9,12 @@ bytes; writes tune_verify.json under $OUT when set.
 import argparse
 import json
 import os
+from dataclasses import replace
 from functools import partial
 
 import torch
 
+from recoverssm.backends.cuda.plugin import CudaBackend
 from recoverssm.backends.triton import launch
 from recoverssm.backends.triton.launch import LaunchConfig
 from recoverssm.bench.problems import window
@@ -42,6 +44,8 @@ def main():
     ap.add_argument("--ncu-case", action="store_true")
     ap.add_argument("--grid", help="configurations to sweep, e.g. 8x4,8x4x128,8x4x0x2 "
                     "(lanes_k x rows [x register cap, 0: none [x tiles per program]])")
+    ap.add_argument("--no-grid-dependency", action="store_true",
+                    help="launch the recurrence kernel plainly after the preparation kernel")
     args = ap.parse_args()
     if args.ncu_case:
         w = window(64, 4, H, 48, K, V)
@@ -71,11 +75,14 @@ def main():
             grid.append((fields[0], fields[1], fields[2] or None, fields[3]))
     if args.quick:
         grid = grid[:3]
+    # the cuda backend's table row (small-grid rule, grid dependency) with the swept fields replaced
+    base = replace(CudaBackend.launch_table[None], grid_dependency=not args.no_grid_dependency)
     results = []
     for lanes_k, rows, max_registers, subtiles in grid:
-        cfg = LaunchConfig(gdn_lanes_k=lanes_k, gdn_rows=rows, gdn_max_registers=max_registers,
-                           gdn_subtiles=subtiles)
-        row = dict(lanes_k=lanes_k, rows=rows, max_registers=max_registers, subtiles=subtiles)
+        cfg = replace(base, gdn_lanes_k=lanes_k, gdn_rows=rows, gdn_max_registers=max_registers,
+                      gdn_subtiles=subtiles)
+        row = dict(lanes_k=lanes_k, rows=rows, max_registers=max_registers, subtiles=subtiles,
+                   grid_dependency=base.grid_dependency)
         try:
             for N, T, HV, mode in shapes:
                 ws = wins[(N, T, HV)]

@@ -113,15 +113,17 @@ def cases(cfg: LaunchConfig, K=128, V=128, H=16, HV=48):
     tile = recurrence_tile(cfg, K, V)
     for gates in (False, True):
         yield (f"gdn_prepare precomputed={gates}", gdn_prepare_kernel,
-               dict(H=H, HV=HV, K=K, K_PAD=tile.k_pad, GROUP_PAD=4, GATES_PRECOMPUTED=gates, USE_L2NORM=True),
+               dict(H=H, HV=HV, K=K, K_PAD=tile.k_pad, GROUP_PAD=4, GATES_PRECOMPUTED=gates, USE_L2NORM=True,
+                    LET_DEPENDENT_START=cfg.grid_dependency),
                {"scale": "fp32", "q_ptr": "*bf16", "k_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16",
                 "A_log_ptr": "*fp32", "dt_bias_ptr": "*fp32"}, cfg.options(cfg.prepare_warps))
     for state in ("*fp32", "*bf16"):
         yield (f"gdn_recurrent state={state}", gdn_recurrent_kernel,
                dict(H=H, HV=HV, K=K, V=V, STRIDE_S_V=K, K_PAD=tile.k_pad, K_INNER=tile.k_inner, ROWS=tile.rows,
-                    ROW_LANES=tile.row_lanes, SUBTILES=tile.subtiles, ALIGNED=True),
+                    ROW_LANES=tile.row_lanes, SUBTILES=tile.subtiles, ALIGNED=True,
+                    WAIT_FOR_PREPARE=cfg.grid_dependency),
                {**ints, "state_ptr": state, "v_ptr": "*bf16", "out_ptr": "*bf16"},
-               cfg.options(cfg.gdn_warps, cfg.gdn_stages, cfg.gdn_max_registers))
+               cfg.options(cfg.gdn_warps, cfg.gdn_stages, cfg.gdn_max_registers, launch_pdl=cfg.grid_dependency))
     yield ("conv_verify", conv_verify_kernel,
            dict(WIDTH=4, BD=cfg.conv_block, HAS_BIAS=True, SILU=True),
            {**ints, "x_ptr": "*bf16", "conv_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16",

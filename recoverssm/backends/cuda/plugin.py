@@ -20,7 +20,7 @@ class CudaBackend(TritonBackend):
         # fit 12 warps per SM: twice the programs still fit one wave (132 SMs x 12 / 2). Larger
         # grids keep 8 rows: at N = 8 the small tile needed a second wave (docs/BENCHMARKS.md).
         None: LaunchConfig(gdn_small_grid_programs=792, gdn_small_grid_rows=4, gdn_small_grid_max_registers=168,
-                           commit_block_v_bf16=64, commit_warps_bf16=4),
+                           commit_block_v_bf16=64, commit_warps_bf16=4, grid_dependency=True),
     }
 
     def device_present(self) -> bool:

@@ -38,7 +38,9 @@ not only across warps); ``gdn_small_grid_programs``, ``gdn_small_grid_rows``,
     element-wise, so its tile never changes a bit); ``commit_max_registers``,
     ``commit_max_registers_bf16``: register caps for the commit (more programs per SM keep more
     state bytes in flight); ``conv_block``: channels per conv program; ``prepare_warps``: warps of
-the token preparation kernel (one program per token and q/k head).
+the token preparation kernel (one program per token and q/k head); ``grid_dependency``: launch
+the recurrence kernel as a programmatic dependent of the preparation kernel (NVIDIA sm_90+ only;
+``grid_dependency.py``).
     ``compile_options``: extra options for every launch (e.g. ``grf_mode`` on Intel GPUs).
     """
 
@@ -61,6 +63,7 @@ the token preparation kernel (one program per token and q/k head).
     conv_warps: int = 4
     plan_block: int = 128
     prepare_warps: int = 1
+    grid_dependency: bool = False
     compile_options: dict = field(default_factory=dict)
 
     def commit_tile(self, bf16_state: bool) -> tuple[int, int, Optional[int]]:
@@ -71,7 +74,7 @@ the token preparation kernel (one program per token and q/k head).
         return self.commit_block_v, self.commit_warps, self.commit_max_registers
 
     def options(self, num_warps: int, num_stages: Optional[int] = None,
-                max_registers: Optional[int] = None) -> dict:
+                max_registers: Optional[int] = None, launch_pdl: bool = False) -> dict:
         # enable_fp_fusion=False: no multiply-add is contracted behind our back; every fused
         # multiply-add of the contract is an explicit tl.fma. Bit-identity depends on it: with
         # contraction on, verify and decode of one compiled recurrence kernel disagreed on the
@@ -81,4 +84,6 @@ the token preparation kernel (one program per token and q/k head).
             opts["num_stages"] = num_stages
         if max_registers is not None:
             opts["maxnreg"] = max_registers
+        if launch_pdl:
+            opts["launch_pdl"] = True
         return opts

@@ -31,6 +31,7 @@ updated. Verify, decode and snapshot execute the same instructions on the same v
 import triton
 import triton.language as tl
 
+from .grid_dependency import gdc_wait
 from .numerics import to_storage
 
 MODE_VERIFY = tl.constexpr(0)
@@ -181,11 +182,13 @@ def gdn_recurrent_kernel(
     num_tokens, num_slots, null_slot, max_window, mode,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, STRIDE_S_V: tl.constexpr,
     K_PAD: tl.constexpr, K_INNER: tl.constexpr, ROWS: tl.constexpr, ROW_LANES: tl.constexpr,
-    SUBTILES: tl.constexpr, ALIGNED: tl.constexpr,
+    SUBTILES: tl.constexpr, ALIGNED: tl.constexpr, WAIT_FOR_PREPARE: tl.constexpr,
 ):
     """Grid ``(cdiv(V, BV * SUBTILES), HV, B)``. Reads the prepared token values of
     ``gdn_prepare_kernel`` (``k_hat_ptr`` .. ``beta_ptr``) and ``v``; writes ``out``, and by mode
-    the records (verify), the row's final state (decode) or a state per position (snapshot)."""
+    the records (verify), the row's final state (decode) or a state per position (snapshot).
+    ``WAIT_FOR_PREPARE``: launched as a programmatic dependent of the preparation kernel (its
+    programs start while that kernel still runs; grid_dependency.py)."""
     i_v = tl.program_id(0)
     hv = tl.program_id(1)
     row = tl.program_id(2)
@@ -217,6 +220,8 @@ def gdn_recurrent_kernel(
         first_v = i_v * (BV * SUBTILES)
         S_next = load_masked(state_tile + first_v * STRIDE_S_V + tile,
                              ((first_v + rows_v) < V)[:, :, None, None] & mask_k, EXACT).to(tl.float32)
+        if WAIT_FOR_PREPARE:   # launched before gdn_prepare_kernel finished: the state tile
+            gdc_wait()         # is on its way; the prepared values are read only after this
         # The program walks its SUBTILES state tiles in turn; the next tile's loads are issued
         # before the current tile's token loop, so they arrive while it computes.
         for j in tl.static_range(SUBTILES):

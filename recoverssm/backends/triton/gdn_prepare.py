@@ -27,6 +27,8 @@ them unmasked and four wide.
 import triton
 import triton.language as tl
 
+from .grid_dependency import gdc_launch_dependents
+
 L2NORM_EPS = tl.constexpr(1e-6)
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)
 
@@ -61,10 +63,15 @@ def gdn_prepare_kernel(
     k_hat_ptr, q_hat_ptr, k_dot_q_ptr, decay_ptr, beta_ptr,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_a_t, stride_b_t, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, GROUP_PAD: tl.constexpr,
-    GATES_PRECOMPUTED: tl.constexpr, USE_L2NORM: tl.constexpr,
+    GATES_PRECOMPUTED: tl.constexpr, USE_L2NORM: tl.constexpr, LET_DEPENDENT_START: tl.constexpr,
 ):
     """One program per (token, q/k head): the head's ``k^``, ``q^``, ``k^ . q^``, and the gates of
-    the ``HV / H`` value heads that read it. Grid ``(T, H)``."""
+    the ``HV / H`` value heads that read it. Grid ``(T, H)``.
+
+    ``LET_DEPENDENT_START``: the recurrence kernel is launched as a programmatic dependent launch
+    (grid_dependency.py) and may start as soon as every program here has begun."""
+    if LET_DEPENDENT_START:
+        gdc_launch_dependents()
     tok = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_k = tl.arange(0, K_PAD)

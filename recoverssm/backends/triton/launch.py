@@ -117,8 +117,9 @@ def gdn_recurrent(cfg: LaunchConfig, mode: str, q, k, v, state, state_indices, q
     T, H, K = q.shape
     if state_indices.shape[0] == 0 or T == 0:
         return
-    prepared = prepare_tokens(cfg, q, k, gates, scale, use_qk_l2norm, v.shape[1])
     v, kernel_out, aligned = _aligned_token_inputs(v, out)
+    # the recurrence kernel must follow the preparation directly (a programmatic dependent launch)
+    prepared = prepare_tokens(cfg, q, k, gates, scale, use_qk_l2norm, v.shape[1])
     _launch_recurrent(cfg, mode, v, prepared, state, state_indices, query_start_loc, null_slot, kernel_out,
                       records, snapshot_slots, K, H, aligned)
     if kernel_out is not out:
@@ -154,9 +155,15 @@ def prepare_tokens(cfg: LaunchConfig, q, k, gates: GateInputs, scale: float, use
         (q, k, a, b, A_log, dt_bias, *prepared,
          q.stride(0), q.stride(1), k.stride(0), k.stride(1), a.stride(0), b.stride(0), scale),
         dict(H=H, HV=HV, K=K, K_PAD=k_pad, GROUP_PAD=_pow2(HV // H), GATES_PRECOMPUTED=gates.precomputed,
-             USE_L2NORM=bool(use_qk_l2norm)),
+             USE_L2NORM=bool(use_qk_l2norm), LET_DEPENDENT_START=_grid_dependency(cfg)),
         cfg.options(cfg.prepare_warps))
     return prepared
+
+
+def _grid_dependency(cfg: LaunchConfig) -> bool:
+    """Launch the recurrence kernel as a programmatic dependent of the preparation
+    (grid_dependency.py): where the backend asks for it, never under the interpreter."""
+    return cfg.grid_dependency and not interpreting()
 
 
 def _launch_recurrent(cfg: LaunchConfig, mode: str, v, prepared: PreparedTokens, state, state_indices,
@@ -181,8 +188,9 @@ def _launch_recurrent(cfg: LaunchConfig, mode: str, v, prepared: PreparedTokens,
          state.stride(0), state.stride(1), snap.stride(0),
          T, state.shape[0], null_slot, max_window, MODES[mode]),
         dict(H=H, HV=HV, K=K, V=V, STRIDE_S_V=state.stride(2), K_PAD=tile.k_pad, K_INNER=tile.k_inner,
-             ROWS=tile.rows, ROW_LANES=tile.row_lanes, SUBTILES=tile.subtiles, ALIGNED=aligned),
-        cfg.options(cfg.gdn_warps, cfg.gdn_stages, tile.max_registers))
+             ROWS=tile.rows, ROW_LANES=tile.row_lanes, SUBTILES=tile.subtiles, ALIGNED=aligned,
+             WAIT_FOR_PREPARE=_grid_dependency(cfg)),
+        cfg.options(cfg.gdn_warps, cfg.gdn_stages, tile.max_registers, launch_pdl=_grid_dependency(cfg)))
 
 
 def plan_commit(cfg: LaunchConfig, num_accepted, state_indices, query_start_loc, request_indices,
