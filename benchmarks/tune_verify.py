@@ -57,7 +57,8 @@ def main():
         return
     ceiling = CopyCeiling("cuda")
     shapes = [(64, 4, 48, "verify"), (64, 8, 48, "verify"), (256, 4, 48, "verify"), (8, 4, 48, "verify"),
-              (1, 4, 48, "verify"), (8, 8, 48, "verify"), (1, 8, 48, "verify"),
+              (1, 4, 48, "verify"), (8, 8, 48, "verify"), (1, 8, 48, "verify"), (1, 2, 32, "verify"),
+              (1, 2, 48, "verify"),
               (64, 4, 48, "snapshot")]
     wins = {}
     for N, T, HV, _ in shapes:
@@ -89,7 +90,7 @@ def main():
                 us = median_us([partial(run, cfg, w, mode) for w in ws], warmup=3, iters=20)
                 state_bytes = N * HV * V * K * 4
                 moved = state_bytes * (1 + T) if mode == "snapshot" else state_bytes
-                name = f"{mode[:4]}_N{N}T{T}"
+                name = f"{mode[:4]}_N{N}T{T}" + ("" if HV == 48 else f"HV{HV}")
                 row[name] = round(us, 1)
                 row[f"{name}_vs_copy"] = round(ceiling.us(moved) / us, 3)
         except Exception as exc:  # noqa: BLE001

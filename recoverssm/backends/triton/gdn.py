@@ -31,6 +31,7 @@ updated. Verify, decode and snapshot execute the same instructions on the same v
 import triton
 import triton.language as tl
 
+from .gdn_prepare import prepared_parts
 from .grid_dependency import gdc_wait
 from .numerics import to_storage
 
@@ -166,7 +167,7 @@ def row_window(qsl_ptr, row, num_tokens, max_window):
 # could have compiled to different instruction sequences (seen for K = 32 and 64 with an earlier
 # tile). Alignment is instead the constexpr ALIGNED, which the launcher makes true for every call
 # it can (see launch.py).
-_TOKEN_POINTERS = ["v_ptr", "k_hat_ptr", "q_hat_ptr", "k_dot_q_ptr", "decay_in_ptr", "beta_ptr", "out_ptr",
+_TOKEN_POINTERS = ["v_ptr", "prepared_ptr", "out_ptr",
                    "state_indices_ptr", "qsl_ptr", "corr_ptr", "key_ptr", "decay_ptr", "snapshot_ptr"]
 _RUNTIME_SCALARS = ["stride_v_t", "stride_v_h", "stride_o_t", "stride_o_h", "stride_snap_row",
                     "num_tokens", "num_slots", "null_slot", "max_window", "mode"]
@@ -174,7 +175,7 @@ _RUNTIME_SCALARS = ["stride_v_t", "stride_v_h", "stride_o_t", "stride_o_h", "str
 
 @triton.jit(do_not_specialize=_RUNTIME_SCALARS, do_not_specialize_on_alignment=_TOKEN_POINTERS)
 def gdn_recurrent_kernel(
-    v_ptr, k_hat_ptr, q_hat_ptr, k_dot_q_ptr, decay_in_ptr, beta_ptr, out_ptr,
+    v_ptr, prepared_ptr, out_ptr,
     state_ptr, state_indices_ptr, qsl_ptr,
     corr_ptr, key_ptr, decay_ptr, snapshot_ptr,
     stride_v_t, stride_v_h, stride_o_t, stride_o_h,
@@ -185,7 +186,7 @@ def gdn_recurrent_kernel(
     SUBTILES: tl.constexpr, ALIGNED: tl.constexpr, WAIT_FOR_PREPARE: tl.constexpr,
 ):
     """Grid ``(cdiv(V, BV * SUBTILES), HV, B)``. Reads the prepared token values of
-    ``gdn_prepare_kernel`` (``k_hat_ptr`` .. ``beta_ptr``) and ``v``; writes ``out``, and by mode
+    ``gdn_prepare_kernel`` (``prepared_ptr``) and ``v``; writes ``out``, and by mode
     the records (verify), the row's final state (decode) or a state per position (snapshot).
     ``WAIT_FOR_PREPARE``: launched as a programmatic dependent of the preparation kernel (its
     programs start while that kernel still runs; grid_dependency.py)."""
@@ -199,6 +200,7 @@ def gdn_recurrent_kernel(
     EXACT_V: tl.constexpr = V % (BV * SUBTILES) == 0
     EXACT: tl.constexpr = EXACT_K and EXACT_V
 
+    k_hat_ptr, q_hat_ptr, k_dot_q_ptr, decay_in_ptr, beta_ptr = prepared_parts(prepared_ptr, num_tokens, H, HV, K_PAD)
     start, end, length = row_window(qsl_ptr, row, num_tokens, max_window)
     slot = tl.load(state_indices_ptr + row)
     live = (slot > null_slot) & (slot < num_slots)

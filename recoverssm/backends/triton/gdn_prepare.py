@@ -10,8 +10,9 @@ fp32 from a scratch buffer that the launcher allocates per call (``launch.py``).
 Verify, decode and snapshot all run this kernel, so the values they feed to the per-token step
 are the same bits: that is what keeps a commit of verify's records equal to native decode.
 
-Scratch layout (fp32, by token index, not by window position, so the kernel needs no
-``query_start_loc``; every token of the call is prepared, also tokens no row reads):
+Scratch layout: one fp32 buffer of ``T * (2 * H * K_PAD + H + 2 * HV)`` values holding, one after
+the other (``prepared_parts``), by token index, not by window position, so the kernel needs no
+``query_start_loc`` (every token of the call is prepared, also tokens no row reads):
 
 =============  ====================  ===========================================================
 ``k_hat``      ``[T, H, K_PAD]``     ``k_t / sqrt(sum k_t^2 + eps)``; columns ``K..K_PAD`` are 0
@@ -50,18 +51,29 @@ def l2_normalized(x):
     return tl.div_rn(x, tl.sqrt_rn(tl.sum(x * x, axis=0) + L2NORM_EPS))
 
 
+@triton.jit
+def prepared_parts(prepared_ptr, num_tokens, H: tl.constexpr, HV: tl.constexpr, K_PAD: tl.constexpr):
+    """Pointers to the five parts of the scratch buffer (layout above)."""
+    heads = num_tokens.to(tl.int64) * H
+    k_hat_ptr = prepared_ptr
+    q_hat_ptr = k_hat_ptr + heads * K_PAD
+    k_dot_q_ptr = q_hat_ptr + heads * K_PAD
+    decay_ptr = k_dot_q_ptr + heads
+    beta_ptr = decay_ptr + num_tokens.to(tl.int64) * HV
+    return k_hat_ptr, q_hat_ptr, k_dot_q_ptr, decay_ptr, beta_ptr
+
+
 # Token inputs and scratch pointers are kept out of Triton's alignment specialization for the
 # same reason as the recurrence kernel's (gdn.py): verify and the native paths must run one binary.
-_POINTERS = ["q_ptr", "k_ptr", "a_ptr", "b_ptr", "A_log_ptr", "dt_bias_ptr", "k_hat_ptr", "q_hat_ptr",
-             "k_dot_q_ptr", "decay_ptr", "beta_ptr"]
-_RUNTIME_SCALARS = ["stride_q_t", "stride_q_h", "stride_k_t", "stride_k_h", "stride_a_t", "stride_b_t", "scale"]
+_POINTERS = ["q_ptr", "k_ptr", "a_ptr", "b_ptr", "A_log_ptr", "dt_bias_ptr", "prepared_ptr"]
+_RUNTIME_SCALARS = ["stride_q_t", "stride_q_h", "stride_k_t", "stride_k_h", "stride_a_t", "stride_b_t", "num_tokens",
+                    "scale"]
 
 
 @triton.jit(do_not_specialize=_RUNTIME_SCALARS, do_not_specialize_on_alignment=_POINTERS)
 def gdn_prepare_kernel(
-    q_ptr, k_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
-    k_hat_ptr, q_hat_ptr, k_dot_q_ptr, decay_ptr, beta_ptr,
-    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_a_t, stride_b_t, scale,
+    q_ptr, k_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, prepared_ptr,
+    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_a_t, stride_b_t, num_tokens, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, GROUP_PAD: tl.constexpr,
     GATES_PRECOMPUTED: tl.constexpr, USE_L2NORM: tl.constexpr, LET_DEPENDENT_START: tl.constexpr,
 ):
@@ -74,6 +86,7 @@ def gdn_prepare_kernel(
         gdc_launch_dependents()
     tok = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    k_hat_ptr, q_hat_ptr, k_dot_q_ptr, decay_ptr, beta_ptr = prepared_parts(prepared_ptr, num_tokens, H, HV, K_PAD)
     offs_k = tl.arange(0, K_PAD)
     mask_k = offs_k < K
     k = tl.load(k_ptr + tok * stride_k_t + h * stride_k_h + offs_k, mask=mask_k, other=0.0).to(tl.float32)

@@ -126,34 +126,21 @@ def gdn_recurrent(cfg: LaunchConfig, mode: str, q, k, v, state, state_indices, q
         out.copy_(kernel_out)
 
 
-class PreparedTokens(NamedTuple):
-    """The per-token values ``gdn_prepare_kernel`` writes (fp32 views of one scratch buffer;
-    layout in gdn_prepare.py)."""
-    k_hat: torch.Tensor     # [T, H, K_PAD]
-    q_hat: torch.Tensor     # [T, H, K_PAD]
-    k_dot_q: torch.Tensor   # [T, H]
-    decay: torch.Tensor     # [T, HV]
-    beta: torch.Tensor      # [T, HV]
-
-
 def prepare_tokens(cfg: LaunchConfig, q, k, gates: GateInputs, scale: float, use_qk_l2norm: bool,
-                   HV: int) -> PreparedTokens:
-    """Normalized keys and queries and the gates of every token of the call, in one launch."""
+                   HV: int) -> torch.Tensor:
+    """Normalized keys and queries and the gates of every token of the call, in one launch: an
+    fp32 scratch buffer laid out as gdn_prepare.py describes."""
     T, H, K = q.shape
     k_pad = max(4, _pow2(K))
-    sizes = (T * H * k_pad, T * H * k_pad, T * H, T * HV, T * HV)
-    flat = torch.empty(sum(sizes), dtype=torch.float32, device=q.device)
-    k_hat, q_hat, k_dot_q, decay, beta = torch.split(flat, sizes)
-    prepared = PreparedTokens(k_hat.view(T, H, k_pad), q_hat.view(T, H, k_pad), k_dot_q.view(T, H),
-                              decay.view(T, HV), beta.view(T, HV))
+    prepared = torch.empty(T * (2 * H * k_pad + H + 2 * HV), dtype=torch.float32, device=q.device)
     if gates.precomputed:
         a, b, A_log, dt_bias = gates.g, gates.beta, gates.g, gates.g
     else:
         a, b, A_log, dt_bias = gates.a, gates.b, gates.A_log, gates.dt_bias
     _PREPARE(
         (T, H),
-        (q, k, a, b, A_log, dt_bias, *prepared,
-         q.stride(0), q.stride(1), k.stride(0), k.stride(1), a.stride(0), b.stride(0), scale),
+        (q, k, a, b, A_log, dt_bias, prepared,
+         q.stride(0), q.stride(1), k.stride(0), k.stride(1), a.stride(0), b.stride(0), T, scale),
         dict(H=H, HV=HV, K=K, K_PAD=k_pad, GROUP_PAD=_pow2(HV // H), GATES_PRECOMPUTED=gates.precomputed,
              USE_L2NORM=bool(use_qk_l2norm), LET_DEPENDENT_START=_grid_dependency(cfg)),
         cfg.options(cfg.prepare_warps))
@@ -166,7 +153,7 @@ def _grid_dependency(cfg: LaunchConfig) -> bool:
     return cfg.grid_dependency and not interpreting()
 
 
-def _launch_recurrent(cfg: LaunchConfig, mode: str, v, prepared: PreparedTokens, state, state_indices,
+def _launch_recurrent(cfg: LaunchConfig, mode: str, v, prepared: torch.Tensor, state, state_indices,
                       query_start_loc, null_slot: int, out, records, snapshot_slots, K: int, H: int,
                       aligned: bool) -> None:
     T, HV, V = v.shape
@@ -182,7 +169,7 @@ def _launch_recurrent(cfg: LaunchConfig, mode: str, v, prepared: PreparedTokens,
     grid = (triton.cdiv(V, tile.block_v * tile.subtiles), HV, B)
     _RECURRENCE(
         grid,
-        (v, *prepared, out, state, state_indices, query_start_loc,
+        (v, prepared, out, state, state_indices, query_start_loc,
          corr, key, decay, snap,
          v.stride(0), v.stride(1), out.stride(0), out.stride(1),
          state.stride(0), state.stride(1), snap.stride(0),
