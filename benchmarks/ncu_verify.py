@@ -1,4 +1,4 @@
-"""One verify launch (after a warm-up) for ncu: python benchmarks/ncu_verify.py ours LANES_K ROWS [MAXNREG [TILES]] | fla
+"""One verify launch (after a warm-up) for ncu: python benchmarks/ncu_verify.py ours LANES_K ROWS [MAXNREG] | fla
 
 Used by benchmarks/ncu_run.sh; N=64, T=4, HV=48, the issue's headline verify case.
 """
@@ -19,8 +19,7 @@ rec = (w.records.correction, w.records.key, w.records.decay)
 kind = sys.argv[1]
 if kind == "ours":
     cfg = LaunchConfig(gdn_lanes_k=int(sys.argv[2]), gdn_rows=int(sys.argv[3]),
-                       gdn_max_registers=int(sys.argv[4]) or None if len(sys.argv) > 4 else None,
-                       gdn_subtiles=int(sys.argv[5]) if len(sys.argv) > 5 else 1)
+                       gdn_max_registers=int(sys.argv[4]) if len(sys.argv) > 4 else None)
     def call():
         launch.gdn_recurrent(cfg, "verify", w.q, w.k, w.v, w.state, w.state_indices, w.query_start_loc,
                              GateInputs(**w.gates()), K ** -0.5, True, -1, out, rec, None)

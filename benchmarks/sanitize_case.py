@@ -1,4 +1,5 @@
-"""One representative align-mode grouped commit (conv compaction included) and one verify, for
+"""One representative align-mode grouped commit (conv compaction included), one verify and one
+native decode, for
 ``compute-sanitizer --tool memcheck`` and ``--tool racecheck`` (see docs/TESTING.md).
 
     compute-sanitizer --tool memcheck python benchmarks/sanitize_case.py
@@ -28,8 +29,11 @@ def main() -> None:
     ctx.commit(step.num_accepted, step.state_indices, step.query_start_loc,
                block_table=step.block_table, num_computed_tokens=step.num_computed_tokens,
                block_size=step.block_size, check=True)
+    rs.gdn_decode(w.q, w.k, w.v, state=state, state_indices=w.state_indices, query_start_loc=w.query_start_loc,
+                  **w.gates())
     torch.cuda.synchronize()
-    print("sanitize case ran: conv_verify, gdn_verify, grouped align commit with conv compaction")
+    print("sanitize case ran: conv_verify, gdn_verify (preparation + recurrence), grouped align commit with "
+          "conv compaction, gdn_decode")
 
 
 if __name__ == "__main__":

@@ -120,7 +120,7 @@ def cases(cfg: LaunchConfig, K=128, V=128, H=16, HV=48):
     for state in ("*fp32", "*bf16"):
         yield (f"gdn_recurrent state={state}", gdn_recurrent_kernel,
                dict(H=H, HV=HV, K=K, V=V, STRIDE_S_V=K, K_PAD=tile.k_pad, K_INNER=tile.k_inner, ROWS=tile.rows,
-                    ROW_LANES=tile.row_lanes, SUBTILES=tile.subtiles, ALIGNED=True,
+                    ROW_LANES=tile.row_lanes, ALIGNED=True,
                     WAIT_FOR_PREPARE=cfg.grid_dependency),
                {**ints, "state_ptr": state, "v_ptr": "*bf16", "out_ptr": "*bf16"},
                cfg.options(cfg.gdn_warps, cfg.gdn_stages, cfg.gdn_max_registers, launch_pdl=cfg.grid_dependency))

@@ -110,9 +110,8 @@ def test_verify_is_batch_invariant(s):
 def test_rows_per_thread_do_not_change_the_bits(s):
     """The launcher picks fewer rows per thread for a small grid (``launch.recurrence_tile``), so
     verify of a large batch and native decode of a small one may run different tiles with the same
-    lanes along K: records, outputs and decoded states are identical whatever the rows per thread
-    and the tiles a program walks (``gdn_subtiles``), and a commit of records from one tile equals
-    native decode under another."""
+    lanes along K: records, outputs and decoded states are identical whatever the rows per thread,
+    and a commit of records from one tile equals native decode under another."""
     from dataclasses import replace
 
     from recoverssm.backends.triton import launch
@@ -123,8 +122,8 @@ def test_rows_per_thread_do_not_change_the_bits(s):
                      num_slots=8, sources_below=6)
     gates = GateInputs(**p.gates)
     results = []
-    for rows, subtiles in ((8, 1), (4, 1), (2, 1), (1, 1), (4, 2), (2, 4)):
-        cfg = replace(launch.LaunchConfig(), gdn_rows=rows, gdn_subtiles=subtiles)
+    for rows in (8, 4, 2, 1):
+        cfg = replace(launch.LaunchConfig(), gdn_rows=rows)
         rec = p.records()
         out = torch.empty_like(p.v)
         launch.gdn_recurrent(cfg, "verify", p.q, p.k, p.v, p.state, p.state_indices, p.query_start_loc,
@@ -479,8 +478,7 @@ def test_commit_matches_decode_whatever_the_input_alignment(s):
 # lanes_k=32 runs as 16 (launch.MAX_LANES_K): the entry checks that the clamp keeps the bits right
 TILE_CONFIGS = [dict(gdn_lanes_k=4, gdn_rows=1), dict(gdn_lanes_k=8, gdn_rows=2),
                 dict(gdn_lanes_k=16, gdn_rows=4), dict(gdn_lanes_k=32, gdn_rows=8), dict(gdn_lanes_k=8, gdn_rows=8),
-                dict(gdn_lanes_k=8, gdn_rows=1, gdn_warps=2), dict(gdn_lanes_k=8, gdn_rows=2, gdn_subtiles=2),
-                dict(gdn_lanes_k=4, gdn_rows=1, gdn_subtiles=4)]
+                dict(gdn_lanes_k=8, gdn_rows=1, gdn_warps=2)]
 
 
 @pytest.mark.parametrize("s", [

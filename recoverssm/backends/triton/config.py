@@ -25,12 +25,10 @@ class LaunchConfig:
     ``gdn_rows``: V rows each thread holds (a program covers ``gdn_rows * 32 / gdn_lanes_k`` rows
     per warp); ``gdn_max_registers``: a register cap per thread for the recurrence (Triton's
     ``maxnreg``; without one the compiler takes more than the kernel needs, at the cost of
-    occupancy); ``gdn_subtiles``: state tiles one program walks in turn, loading the next one
-while it computes the current one (the loads of a tile then overlap arithmetic inside each warp,
-not only across warps); ``gdn_small_grid_programs``, ``gdn_small_grid_rows``,
+    occupancy); ``gdn_small_grid_programs``, ``gdn_small_grid_rows``,
     ``gdn_small_grid_max_registers``: a call whose grid would have fewer programs than
     ``gdn_small_grid_programs`` (too few to fill the GPU) uses at most ``gdn_small_grid_rows`` rows
-    per thread and one tile per program, with that register cap: more, shorter programs. Rows per thread do not change the
+    per thread, with that register cap: more, shorter programs. Rows per thread do not change the
     arithmetic of a row (the lanes along K do), so calls of either size agree bit for bit;
     ``commit_block_v``, ``commit_warps``: V rows per commit program and its warps;
     ``commit_block_v_bf16``, ``commit_warps_bf16``: the same for bf16 states when set (half the
@@ -49,7 +47,6 @@ the recurrence kernel as a programmatic dependent of the preparation kernel (NVI
     gdn_warps: int = 1
     gdn_stages: Optional[int] = None
     gdn_max_registers: Optional[int] = None
-    gdn_subtiles: int = 1
     gdn_small_grid_programs: int = 0
     gdn_small_grid_rows: int = 4
     gdn_small_grid_max_registers: Optional[int] = None

@@ -183,9 +183,9 @@ def gdn_recurrent_kernel(
     num_tokens, num_slots, null_slot, max_window, mode,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, STRIDE_S_V: tl.constexpr,
     K_PAD: tl.constexpr, K_INNER: tl.constexpr, ROWS: tl.constexpr, ROW_LANES: tl.constexpr,
-    SUBTILES: tl.constexpr, ALIGNED: tl.constexpr, WAIT_FOR_PREPARE: tl.constexpr,
+    ALIGNED: tl.constexpr, WAIT_FOR_PREPARE: tl.constexpr,
 ):
-    """Grid ``(cdiv(V, BV * SUBTILES), HV, B)``. Reads the prepared token values of
+    """Grid ``(cdiv(V, BV), HV, B)``. Reads the prepared token values of
     ``gdn_prepare_kernel`` (``prepared_ptr``) and ``v``; writes ``out``, and by mode
     the records (verify), the row's final state (decode) or a state per position (snapshot).
     ``WAIT_FOR_PREPARE``: launched as a programmatic dependent of the preparation kernel (its
@@ -197,7 +197,7 @@ def gdn_recurrent_kernel(
     K_CHUNKS: tl.constexpr = K_PAD // K_INNER
     BV: tl.constexpr = ROWS * ROW_LANES
     EXACT_K: tl.constexpr = K == K_PAD
-    EXACT_V: tl.constexpr = V % (BV * SUBTILES) == 0
+    EXACT_V: tl.constexpr = V % BV == 0
     EXACT: tl.constexpr = EXACT_K and EXACT_V
 
     k_hat_ptr, q_hat_ptr, k_dot_q_ptr, decay_in_ptr, beta_ptr = prepared_parts(prepared_ptr, num_tokens, H, HV, K_PAD)
@@ -207,77 +207,61 @@ def gdn_recurrent_kernel(
 
     lane_v = tl.arange(0, ROW_LANES)
     chunk = tl.arange(0, K_CHUNKS)
-    rows_v = lane_v[:, None] * ROWS + tl.arange(0, ROWS)[None, :]                     # [RL, R]
+    offs_v = i_v * BV + lane_v[:, None] * ROWS + tl.arange(0, ROWS)[None, :]          # [RL, R]
+    mask_v = offs_v < V
     offs_k = (tl.arange(0, K_INNER)[None, None, :, None] + chunk[None, None, None, :] * K_INNER
               + 0 * lane_v[:, None, None, None])                # [RL, 1, KI, KC], broadcast over RL
     mask_k = offs_k < K
     # The state's row stride is a constexpr: the tile's offsets are then constants from one base
     # address rather than addresses held in registers across the token loop (the state is the one
     # tensor verify and decode share, so specializing on it keeps them one binary).
-    tile = rows_v[:, :, None, None] * STRIDE_S_V + offs_k       # [RL, R, KI, KC]
+    tile = offs_v[:, :, None, None] * STRIDE_S_V + offs_k       # [RL, R, KI, KC]
+    mask_tile = mask_v[:, :, None, None] & mask_k
     v_head = hv * stride_v_h
 
     if live:
         state_tile = state_ptr + slot.to(tl.int64) * stride_s_slot + hv * stride_s_h
-        first_v = i_v * (BV * SUBTILES)
-        S_next = load_masked(state_tile + first_v * STRIDE_S_V + tile,
-                             ((first_v + rows_v) < V)[:, :, None, None] & mask_k, EXACT).to(tl.float32)
+        S = load_masked(state_tile + tile, mask_tile, EXACT).to(tl.float32)
         if WAIT_FOR_PREPARE:   # launched before gdn_prepare_kernel finished: the state tile
             gdc_wait()         # is on its way; the prepared values are read only after this
-        # The program walks its SUBTILES state tiles in turn; the next tile's loads are issued
-        # before the current tile's token loop, so they arrive while it computes.
-        for j in tl.static_range(SUBTILES):
-            tile_v = first_v + j * BV
-            offs_v = tile_v + rows_v
-            mask_v = offs_v < V
-            mask_tile = mask_v[:, :, None, None] & mask_k
-            S = S_next
-            if j + 1 < SUBTILES:
-                S_next = load_masked(state_tile + (tile_v + BV) * STRIDE_S_V + tile,
-                                     ((offs_v + BV) < V)[:, :, None, None] & mask_k, EXACT).to(tl.float32)
-            fetched = fetch_token(tl.minimum(start, num_tokens - 1), k_hat_ptr, q_hat_ptr, k_dot_q_ptr,
-                                  decay_in_ptr, beta_ptr, v_ptr, stride_v_t, v_head, h, hv, offs_k, offs_v,
-                                  mask_v, H, HV, K_PAD, EXACT_V, ALIGNED)
-            for t in range(0, length):
-                k_hat, q_hat, k_dot_q, decay, beta, v_t = fetched
-                # the next token's loads go out now (the last iteration fetches its own token again)
-                fetched = fetch_token(start + tl.minimum(t + 1, length - 1), k_hat_ptr, q_hat_ptr, k_dot_q_ptr,
-                                      decay_in_ptr, beta_ptr, v_ptr, stride_v_t, v_head, h, hv, offs_k, offs_v,
-                                      mask_v, H, HV, K_PAD, EXACT_V, ALIGNED)
+        fetched = fetch_token(tl.minimum(start, num_tokens - 1), k_hat_ptr, q_hat_ptr, k_dot_q_ptr, decay_in_ptr,
+                              beta_ptr, v_ptr, stride_v_t, v_head, h, hv, offs_k, offs_v, mask_v, H, HV, K_PAD,
+                              EXACT_V, ALIGNED)
+        for t in range(0, length):
+            k_hat, q_hat, k_dot_q, decay, beta, v_t = fetched
+            # the next token's loads go out now (the last iteration fetches its own token again)
+            fetched = fetch_token(start + tl.minimum(t + 1, length - 1), k_hat_ptr, q_hat_ptr, k_dot_q_ptr,
+                                  decay_in_ptr, beta_ptr, v_ptr, stride_v_t, v_head, h, hv, offs_k, offs_v, mask_v,
+                                  H, HV, K_PAD, EXACT_V, ALIGNED)
 
-                S, correction, o_t = delta_rule_step(S, k_hat, q_hat, k_dot_q, v_t.to(tl.float32), beta, decay)
+            S, correction, o_t = delta_rule_step(S, k_hat, q_hat, k_dot_q, v_t.to(tl.float32), beta, decay)
 
-                tok = (start + t).to(tl.int64)
-                store_masked(along_rows(out_ptr + tok * stride_o_t + hv * stride_o_h + offs_v, ALIGNED),
-                             o_t.to(out_ptr.dtype.element_ty), mask_v, EXACT_V)
-                if mode == MODE_VERIFY:  # replay records, by batch row and window position
-                    rec = (row * HV + hv).to(tl.int64) * max_window + t
-                    store_masked(corr_ptr + rec * V + offs_v, correction, mask_v, EXACT_V)
-                    if j == 0:
-                        if i_v == 0:
-                            tl.store(decay_ptr + rec, decay)
-                            if hv % (HV // H) == 0:   # one program per q/k head writes its key
-                                key_rec = (row * H + h).to(tl.int64) * max_window + t
-                                # every lane group holds the whole key: lane group g writes chunks
-                                # g, g + RL, ...
-                                writer = (chunk[None, None, None, :] % ROW_LANES) == lane_v[:, None, None, None]
-                                tl.store(key_ptr + key_rec * K + offs_k, k_hat, mask=mask_k & writer)
-                # State stores, both from inside the loop: the snapshot after every position, and
-                # native decode's final state after the last one (into the row's own slot). Keeping
-                # decode's store in the loop, behind a per-token slot index, spares the registers
-                # that a store after the loop would hold its addresses in for the whole window.
-                if mode == MODE_SNAPSHOT:
-                    dst = tl.load(snapshot_ptr + row * stride_snap_row + t)
-                else:
-                    dst = tl.where((mode == MODE_DECODE) & (t == length - 1), slot, null_slot)
-                if (dst > null_slot) & (dst < num_slots):
-                    dst_tile = state_ptr + dst.to(tl.int64) * stride_s_slot + hv * stride_s_h
-                    store_masked(dst_tile + tile_v * STRIDE_S_V + tile, to_storage(S, state_ptr.dtype.element_ty),
-                                 mask_tile, EXACT)
+            tok = (start + t).to(tl.int64)
+            store_masked(along_rows(out_ptr + tok * stride_o_t + hv * stride_o_h + offs_v, ALIGNED),
+                         o_t.to(out_ptr.dtype.element_ty), mask_v, EXACT_V)
+            if mode == MODE_VERIFY:  # replay records, by batch row and window position
+                rec = (row * HV + hv).to(tl.int64) * max_window + t
+                store_masked(corr_ptr + rec * V + offs_v, correction, mask_v, EXACT_V)
+                if i_v == 0:
+                    tl.store(decay_ptr + rec, decay)
+                    if hv % (HV // H) == 0:   # one program per q/k head writes its key
+                        key_rec = (row * H + h).to(tl.int64) * max_window + t
+                        # every lane group holds the whole key: lane group j writes chunks j, j + RL, ...
+                        writer = (chunk[None, None, None, :] % ROW_LANES) == lane_v[:, None, None, None]
+                        tl.store(key_ptr + key_rec * K + offs_k, k_hat, mask=mask_k & writer)
+            # State stores, both from inside the loop: the snapshot after every position, and
+            # native decode's final state after the last one (into the row's own slot). Keeping
+            # decode's store in the loop, behind a per-token slot index, spares the registers
+            # that a store after the loop would hold its addresses in for the whole window.
+            if mode == MODE_SNAPSHOT:
+                dst = tl.load(snapshot_ptr + row * stride_snap_row + t)
+            else:
+                dst = tl.where((mode == MODE_DECODE) & (t == length - 1), slot, null_slot)
+            if (dst > null_slot) & (dst < num_slots):
+                dst_tile = state_ptr + dst.to(tl.int64) * stride_s_slot + hv * stride_s_h
+                store_masked(dst_tile + tile, to_storage(S, state_ptr.dtype.element_ty), mask_tile, EXACT)
     else:
         zeros = tl.zeros([ROW_LANES, ROWS], dtype=out_ptr.dtype.element_ty)
-        for j in tl.static_range(SUBTILES):
-            offs_v = i_v * (BV * SUBTILES) + j * BV + rows_v
-            for t in range(0, tl.maximum(end - start, 0)):
-                tok = (start + t).to(tl.int64)
-                tl.store(out_ptr + tok * stride_o_t + hv * stride_o_h + offs_v, zeros, mask=offs_v < V)
+        for t in range(0, tl.maximum(end - start, 0)):
+            tok = (start + t).to(tl.int64)
+            tl.store(out_ptr + tok * stride_o_t + hv * stride_o_h + offs_v, zeros, mask=mask_v)

@@ -73,13 +73,12 @@ MAX_LANES_K = 16
 
 class RecurrenceTile(NamedTuple):
     """The recurrence kernel's tile for one call: ``[row_lanes, rows, k_inner, k_pad / k_inner]``,
-    the tiles each program walks in turn, and the register cap it compiles with."""
+    and the register cap it compiles with."""
     k_pad: int
     k_inner: int
     rows: int
     row_lanes: int
     max_registers: Optional[int] = None
-    subtiles: int = 1
 
     @property
     def block_v(self) -> int:
@@ -102,13 +101,11 @@ def recurrence_tile(cfg: LaunchConfig, K: int, V: int, heads_times_rows: Optiona
     k_inner = min(4 * lanes_k, k_pad)
     row_lanes = (32 // lanes_k) * cfg.gdn_warps
     rows = max(1, min(cfg.gdn_rows, _pow2(V) // row_lanes))
-    subtiles = max(1, min(cfg.gdn_subtiles, triton.cdiv(V, rows * row_lanes)))
     max_registers = cfg.gdn_max_registers
-    if (heads_times_rows is not None
-            and triton.cdiv(V, rows * row_lanes * subtiles) * heads_times_rows < cfg.gdn_small_grid_programs):
-        rows = max(1, min(rows, cfg.gdn_small_grid_rows))
-        subtiles, max_registers = 1, cfg.gdn_small_grid_max_registers
-    return RecurrenceTile(k_pad, k_inner, rows, row_lanes, max_registers, subtiles)
+    if (heads_times_rows is not None and rows > cfg.gdn_small_grid_rows
+            and triton.cdiv(V, rows * row_lanes) * heads_times_rows < cfg.gdn_small_grid_programs):
+        rows, max_registers = max(1, cfg.gdn_small_grid_rows), cfg.gdn_small_grid_max_registers
+    return RecurrenceTile(k_pad, k_inner, rows, row_lanes, max_registers)
 
 
 def gdn_recurrent(cfg: LaunchConfig, mode: str, q, k, v, state, state_indices, query_start_loc,
@@ -166,7 +163,7 @@ def _launch_recurrent(cfg: LaunchConfig, mode: str, v, prepared: torch.Tensor, s
         corr = key = decay = out           # unused by these modes; any valid pointer will do
         max_window = snapshot_slots.shape[1] if mode == "snapshot" else INT32_MAX
     snap = snapshot_slots if snapshot_slots is not None else state_indices
-    grid = (triton.cdiv(V, tile.block_v * tile.subtiles), HV, B)
+    grid = (triton.cdiv(V, tile.block_v), HV, B)
     _RECURRENCE(
         grid,
         (v, prepared, out, state, state_indices, query_start_loc,
@@ -175,7 +172,7 @@ def _launch_recurrent(cfg: LaunchConfig, mode: str, v, prepared: torch.Tensor, s
          state.stride(0), state.stride(1), snap.stride(0),
          T, state.shape[0], null_slot, max_window, MODES[mode]),
         dict(H=H, HV=HV, K=K, V=V, STRIDE_S_V=state.stride(2), K_PAD=tile.k_pad, K_INNER=tile.k_inner,
-             ROWS=tile.rows, ROW_LANES=tile.row_lanes, SUBTILES=tile.subtiles, ALIGNED=aligned,
+             ROWS=tile.rows, ROW_LANES=tile.row_lanes, ALIGNED=aligned,
              WAIT_FOR_PREPARE=_grid_dependency(cfg)),
         cfg.options(cfg.gdn_warps, cfg.gdn_stages, tile.max_registers, launch_pdl=_grid_dependency(cfg)))
 
