@@ -111,19 +111,22 @@ def cases(cfg: LaunchConfig, K=128, V=128, H=16, HV=48):
                                 "request_indices_ptr", "block_table_ptr", "num_computed_ptr",
                                 "commit_len_ptr", "final_ptr", "boundary_ptr", "boundary_len_ptr")}
     tile = recurrence_tile(cfg, K, V)
+    tiles = {True: tile, False: recurrence_tile(cfg, K, V, heads_times_rows=1)}   # large grid, small grid
+    tokens = {"q_ptr": "*bf16", "k_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16"}
     for gates in (False, True):
         yield (f"gdn_prepare precomputed={gates}", gdn_prepare_kernel,
-               dict(H=H, HV=HV, K=K, K_PAD=tile.k_pad, GROUP_PAD=4, GATES_PRECOMPUTED=gates, USE_L2NORM=True,
-                    LET_DEPENDENT_START=cfg.grid_dependency),
-               {"scale": "fp32", "q_ptr": "*bf16", "k_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16",
-                "A_log_ptr": "*fp32", "dt_bias_ptr": "*fp32"}, cfg.options(cfg.prepare_warps))
+               dict(H=H, HV=HV, K=K, K_PAD=tile.k_pad, K_INNER=tile.k_inner, ROW_LANES=tile.row_lanes,
+                    GATES_PRECOMPUTED=gates, USE_L2NORM=True, ALIGNED=True, LET_DEPENDENT_START=cfg.grid_dependency),
+               {**tokens, "scale": "fp32"}, cfg.options(cfg.gdn_warps))
     for state in ("*fp32", "*bf16"):
-        yield (f"gdn_recurrent state={state}", gdn_recurrent_kernel,
-               dict(H=H, HV=HV, K=K, V=V, STRIDE_S_V=K, K_PAD=tile.k_pad, K_INNER=tile.k_inner, ROWS=tile.rows,
-                    ROW_LANES=tile.row_lanes, ALIGNED=True,
-                    WAIT_FOR_PREPARE=cfg.grid_dependency),
-               {**ints, "state_ptr": state, "v_ptr": "*bf16", "out_ptr": "*bf16"},
-               cfg.options(cfg.gdn_warps, cfg.gdn_stages, cfg.gdn_max_registers, launch_pdl=cfg.grid_dependency))
+        for prepared, t in tiles.items():
+            wait = prepared and cfg.grid_dependency
+            yield (f"gdn_recurrent prepared={prepared} state={state}", gdn_recurrent_kernel,
+                   dict(H=H, HV=HV, K=K, V=V, STRIDE_S_V=K, K_PAD=t.k_pad, K_INNER=t.k_inner, ROWS=t.rows,
+                        ROW_LANES=t.row_lanes, GATES_PRECOMPUTED=False, USE_L2NORM=True, ALIGNED=True,
+                        PREPARED=prepared, WAIT_FOR_PREPARE=wait),
+                   {**ints, **tokens, "scale": "fp32", "state_ptr": state, "v_ptr": "*bf16", "out_ptr": "*bf16"},
+                   cfg.options(cfg.gdn_warps, cfg.gdn_stages, t.max_registers, launch_pdl=wait))
     yield ("conv_verify", conv_verify_kernel,
            dict(WIDTH=4, BD=cfg.conv_block, HAS_BIAS=True, SILU=True),
            {**ints, "x_ptr": "*bf16", "conv_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16",

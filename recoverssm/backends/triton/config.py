@@ -28,15 +28,15 @@ class LaunchConfig:
     occupancy); ``gdn_small_grid_programs``, ``gdn_small_grid_rows``,
     ``gdn_small_grid_max_registers``: a call whose grid would have fewer programs than
     ``gdn_small_grid_programs`` (too few to fill the GPU) uses at most ``gdn_small_grid_rows`` rows
-    per thread, with that register cap: more, shorter programs. Rows per thread do not change the
+    per thread, with that register cap, and prepares its tokens inside the recurrence kernel (one
+    launch instead of two): more, shorter programs. Rows per thread do not change the
     arithmetic of a row (the lanes along K do), so calls of either size agree bit for bit;
     ``commit_block_v``, ``commit_warps``: V rows per commit program and its warps;
     ``commit_block_v_bf16``, ``commit_warps_bf16``: the same for bf16 states when set (half the
     bytes per row: the replay's arithmetic, not memory, decides the best tile; the commit is
     element-wise, so its tile never changes a bit); ``commit_max_registers``,
     ``commit_max_registers_bf16``: register caps for the commit (more programs per SM keep more
-    state bytes in flight); ``conv_block``: channels per conv program; ``prepare_warps``: warps of
-the token preparation kernel (one program per token and q/k head); ``grid_dependency``: launch
+    state bytes in flight); ``conv_block``: channels per conv program; ``grid_dependency``: launch
 the recurrence kernel as a programmatic dependent of the preparation kernel (NVIDIA sm_90+ only;
 ``grid_dependency.py``).
     ``compile_options``: extra options for every launch (e.g. ``grf_mode`` on Intel GPUs).
@@ -59,7 +59,6 @@ the recurrence kernel as a programmatic dependent of the preparation kernel (NVI
     conv_block: int = 128
     conv_warps: int = 4
     plan_block: int = 128
-    prepare_warps: int = 1
     grid_dependency: bool = False
     compile_options: dict = field(default_factory=dict)
 

@@ -31,66 +31,15 @@ updated. Verify, decode and snapshot execute the same instructions on the same v
 import triton
 import triton.language as tl
 
-from .gdn_prepare import prepared_parts
+from .gdn_prepare import (fetch_raw_token, head_gate_parameters, normalized_token, prepared_parts, token_gates,
+                          token_vector_offsets)
 from .grid_dependency import gdc_wait
 from .numerics import to_storage
+from .tile_ops import dot_over_k, load_masked, store_masked
 
 MODE_VERIFY = tl.constexpr(0)
 MODE_DECODE = tl.constexpr(1)
 MODE_SNAPSHOT = tl.constexpr(2)
-
-
-
-@triton.jit
-def load_masked(ptrs, mask, EXACT: tl.constexpr):
-    """``tl.load`` that skips the mask when the tile is known to be exactly in bounds (saves the
-    predicate registers and instructions of the common K = V = 128 case)."""
-    if EXACT:
-        return tl.load(ptrs)
-    else:
-        return tl.load(ptrs, mask=mask, other=0.0)
-
-
-@triton.jit
-def store_masked(ptrs, value, mask, EXACT: tl.constexpr):
-    if EXACT:
-        tl.store(ptrs, value)
-    else:
-        tl.store(ptrs, value, mask=mask)
-
-
-@triton.jit
-def fma_chain(x, y, acc):
-    """``acc`` plus the products of ``x`` and ``y`` ``[..., M]`` over their last axis (held by one
-    thread), one fused multiply-add after another: a chain of M instructions. M is a power of
-    two; the split into halves only renames registers."""
-    M: tl.constexpr = x.shape[len(x.shape) - 1]
-    if M == 1:
-        return tl.fma(tl.reshape(x, x.shape[:-1]), tl.reshape(y, y.shape[:-1]), acc)
-    else:
-        x_even, x_odd = tl.split(tl.reshape(x, x.shape[:-1] + [M // 2, 2]))
-        y_even, y_odd = tl.split(tl.reshape(y, y.shape[:-1] + [M // 2, 2]))
-        return fma_chain(x_odd, y_odd, fma_chain(x_even, y_even, acc))
-
-
-@triton.jit
-def dot_over_k(x, y):
-    """``sum over K of x * y`` for ``[ROW_LANES, R | 1, K_INNER, K_CHUNKS]`` tiles -> ``[ROW_LANES, R]``.
-
-    Each thread folds all the K elements it holds of a row (``K_CHUNKS`` groups of 4) into one
-    chain of fused multiply-adds (the kernels are compiled without automatic contraction, which
-    would otherwise leave a multiply and an add per element), then the lanes are summed. One
-    chain per row costs one instruction per element: folding each group of 4 on its own and
-    adding the groups cost ``2 * (K_CHUNKS - 1)`` more per row (96 per token and warp at the
-    default tile). The reshape to ``[..., K_INNER / 4 (lanes), 4 * K_CHUNKS (the thread's)]``
-    merges two in-thread axes, so it only renames registers."""
-    RL: tl.constexpr = x.shape[0]
-    R: tl.constexpr = x.shape[1] if x.shape[1] > y.shape[1] else y.shape[1]
-    KI: tl.constexpr = x.shape[2]
-    KC: tl.constexpr = x.shape[3]
-    xs = tl.reshape(tl.broadcast_to(x, [RL, R, KI, KC]), [RL, R, KI // 4, 4 * KC])
-    ys = tl.reshape(tl.broadcast_to(y, [RL, R, KI, KC]), [RL, R, KI // 4, 4 * KC])
-    return tl.sum(fma_chain(xs, ys, tl.zeros([RL, R, KI // 4], dtype=tl.float32)), axis=2)
 
 
 @triton.jit
@@ -130,24 +79,41 @@ def along_rows(ptrs, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def fetch_token(tok, k_hat_ptr, q_hat_ptr, k_dot_q_ptr, decay_ptr, beta_ptr, v_ptr, stride_v_t, v_head,
-                h, hv, offs_k, offs_v, mask_v, H: tl.constexpr, HV: tl.constexpr, K_PAD: tl.constexpr,
-                EXACT_V: tl.constexpr, ALIGNED: tl.constexpr):
-    """Issue the loads of one token's inputs: the prepared ``k^``, ``q^`` (broadcast over the row
-    lanes; rows of ``K_PAD`` fp32, always 16-byte aligned and in bounds), ``k^ . q^``, ``d_t``,
-    ``beta_t``, and ``v`` as stored. The token loop fetches token ``t + 1`` before it works on
-    token ``t``, so the loads' latency hides behind a token's arithmetic."""
+def fetch_token(tok, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, k_hat_ptr, q_hat_ptr, k_dot_q_ptr, decay_ptr, beta_ptr,
+                stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, v_head, stride_a_t, stride_b_t, h, hv,
+                offs_k, mask_k, offs_v, mask_v, H: tl.constexpr, HV: tl.constexpr, K_PAD: tl.constexpr,
+                ALIGNED: tl.constexpr, EXACT_K: tl.constexpr, EXACT_V: tl.constexpr, PREPARED: tl.constexpr):
+    """Issue the loads of one token's inputs: ``v`` as stored, and either the prepared ``k^``,
+    ``q^`` (token vectors; rows of ``K_PAD`` fp32, always 16-byte aligned and in bounds),
+    ``k^ . q^``, ``d_t``, ``beta_t`` (``PREPARED``) or ``k``, ``q`` and the gate inputs as stored.
+    The token loop fetches token ``t + 1`` before it works on token ``t``, so the loads' latency
+    hides behind a token's arithmetic."""
     tok = tok.to(tl.int64)
-    head = (tok * H + h) * K_PAD
-    k_ptrs = tl.max_contiguous(tl.multiple_of(k_hat_ptr + head + offs_k, [1, 1, 16, 16]), [1, 1, 4, 1])
-    q_ptrs = tl.max_contiguous(tl.multiple_of(q_hat_ptr + head + offs_k, [1, 1, 16, 16]), [1, 1, 4, 1])
-    k_hat = tl.load(k_ptrs)
-    q_hat = tl.load(q_ptrs)
-    k_dot_q = tl.load(k_dot_q_ptr + tok * H + h)
-    decay = tl.load(decay_ptr + tok * HV + hv)
-    beta = tl.load(beta_ptr + tok * HV + hv)
     v_t = load_masked(along_rows(v_ptr + tok * stride_v_t + v_head + offs_v, ALIGNED), mask_v, EXACT_V)
-    return k_hat, q_hat, k_dot_q, decay, beta, v_t
+    if PREPARED:
+        head = (tok * H + h) * K_PAD
+        k_ptrs = tl.max_contiguous(tl.multiple_of(k_hat_ptr + head + offs_k, [1, 1, 16, 16]), [1, 1, 4, 1])
+        q_ptrs = tl.max_contiguous(tl.multiple_of(q_hat_ptr + head + offs_k, [1, 1, 16, 16]), [1, 1, 4, 1])
+        return (tl.load(k_ptrs), tl.load(q_ptrs), tl.load(k_dot_q_ptr + tok * H + h),
+                tl.load(decay_ptr + tok * HV + hv), tl.load(beta_ptr + tok * HV + hv), v_t)
+    else:
+        k_t, q_t, a_t, b_t = fetch_raw_token(tok, q_ptr, k_ptr, a_ptr, b_ptr, stride_q_t, stride_k_t, stride_a_t,
+                                             stride_b_t, h * stride_q_h, h * stride_k_h, hv, offs_k, mask_k,
+                                             ALIGNED, EXACT_K)
+        return k_t, q_t, a_t, b_t, v_t
+
+
+@triton.jit
+def ready_token(fetched, neg_A, dt_bias, scale, GATES_PRECOMPUTED: tl.constexpr, USE_L2NORM: tl.constexpr,
+                PREPARED: tl.constexpr):
+    """A fetched token as the step takes it: ``(k^, q^, k^ . q^, d_t, beta_t, v)``, fp32 but ``v``."""
+    if PREPARED:
+        return fetched
+    else:
+        k_t, q_t, a_t, b_t, v_t = fetched
+        k_hat, q_hat, k_dot_q = normalized_token(k_t, q_t, scale, USE_L2NORM)
+        decay, beta = token_gates(a_t, b_t, neg_A, dt_bias, GATES_PRECOMPUTED)
+        return k_hat, q_hat, k_dot_q, decay, beta, v_t
 
 
 @triton.jit
@@ -167,27 +133,33 @@ def row_window(qsl_ptr, row, num_tokens, max_window):
 # could have compiled to different instruction sequences (seen for K = 32 and 64 with an earlier
 # tile). Alignment is instead the constexpr ALIGNED, which the launcher makes true for every call
 # it can (see launch.py).
-_TOKEN_POINTERS = ["v_ptr", "prepared_ptr", "out_ptr",
+_TOKEN_POINTERS = ["q_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr", "A_log_ptr", "dt_bias_ptr", "prepared_ptr", "out_ptr",
                    "state_indices_ptr", "qsl_ptr", "corr_ptr", "key_ptr", "decay_ptr", "snapshot_ptr"]
-_RUNTIME_SCALARS = ["stride_v_t", "stride_v_h", "stride_o_t", "stride_o_h", "stride_snap_row",
-                    "num_tokens", "num_slots", "null_slot", "max_window", "mode"]
+_RUNTIME_SCALARS = ["stride_q_t", "stride_q_h", "stride_k_t", "stride_k_h", "stride_v_t", "stride_v_h",
+                    "stride_a_t", "stride_b_t", "stride_o_t", "stride_o_h", "stride_snap_row",
+                    "num_tokens", "num_slots", "null_slot", "max_window", "scale", "mode"]
 
 
 @triton.jit(do_not_specialize=_RUNTIME_SCALARS, do_not_specialize_on_alignment=_TOKEN_POINTERS)
 def gdn_recurrent_kernel(
-    v_ptr, prepared_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, prepared_ptr, out_ptr,
     state_ptr, state_indices_ptr, qsl_ptr,
     corr_ptr, key_ptr, decay_ptr, snapshot_ptr,
-    stride_v_t, stride_v_h, stride_o_t, stride_o_h,
+    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
+    stride_a_t, stride_b_t, stride_o_t, stride_o_h,
     stride_s_slot, stride_s_h, stride_snap_row,
-    num_tokens, num_slots, null_slot, max_window, mode,
+    num_tokens, num_slots, null_slot, max_window, scale, mode,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, STRIDE_S_V: tl.constexpr,
     K_PAD: tl.constexpr, K_INNER: tl.constexpr, ROWS: tl.constexpr, ROW_LANES: tl.constexpr,
-    ALIGNED: tl.constexpr, WAIT_FOR_PREPARE: tl.constexpr,
+    GATES_PRECOMPUTED: tl.constexpr, USE_L2NORM: tl.constexpr, ALIGNED: tl.constexpr,
+    PREPARED: tl.constexpr, WAIT_FOR_PREPARE: tl.constexpr,
 ):
-    """Grid ``(cdiv(V, BV), HV, B)``. Reads the prepared token values of
-    ``gdn_prepare_kernel`` (``prepared_ptr``) and ``v``; writes ``out``, and by mode
-    the records (verify), the row's final state (decode) or a state per position (snapshot).
+    """Grid ``(cdiv(V, BV), HV, B)``. Writes ``out``, and by mode the records (verify), the row's
+    final state (decode) or a state per position (snapshot).
+
+    ``PREPARED``: read each token's ``k^``, ``q^``, ``k^ . q^``, gates from ``gdn_prepare_kernel``'s
+    buffer (``prepared_ptr``; ``q``, ``k``, the gate inputs are then not read); otherwise prepare
+    them here from ``q``, ``k``, ``a``, ``b`` with the same functions (gdn_prepare.py).
     ``WAIT_FOR_PREPARE``: launched as a programmatic dependent of the preparation kernel (its
     programs start while that kernel still runs; grid_dependency.py)."""
     i_v = tl.program_id(0)
@@ -209,8 +181,7 @@ def gdn_recurrent_kernel(
     chunk = tl.arange(0, K_CHUNKS)
     offs_v = i_v * BV + lane_v[:, None] * ROWS + tl.arange(0, ROWS)[None, :]          # [RL, R]
     mask_v = offs_v < V
-    offs_k = (tl.arange(0, K_INNER)[None, None, :, None] + chunk[None, None, None, :] * K_INNER
-              + 0 * lane_v[:, None, None, None])                # [RL, 1, KI, KC], broadcast over RL
+    offs_k = token_vector_offsets(ROW_LANES, K_INNER, K_CHUNKS)    # [RL, 1, KI, KC], broadcast over RL
     mask_k = offs_k < K
     # The state's row stride is a constexpr: the tile's offsets are then constants from one base
     # address rather than addresses held in registers across the token loop (the state is the one
@@ -224,16 +195,20 @@ def gdn_recurrent_kernel(
         S = load_masked(state_tile + tile, mask_tile, EXACT).to(tl.float32)
         if WAIT_FOR_PREPARE:   # launched before gdn_prepare_kernel finished: the state tile
             gdc_wait()         # is on its way; the prepared values are read only after this
-        fetched = fetch_token(tl.minimum(start, num_tokens - 1), k_hat_ptr, q_hat_ptr, k_dot_q_ptr, decay_in_ptr,
-                              beta_ptr, v_ptr, stride_v_t, v_head, h, hv, offs_k, offs_v, mask_v, H, HV, K_PAD,
-                              EXACT_V, ALIGNED)
+        neg_A, dt_bias = head_gate_parameters(A_log_ptr, dt_bias_ptr, hv, GATES_PRECOMPUTED or PREPARED)
+        fetched = fetch_token(tl.minimum(start, num_tokens - 1), q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, k_hat_ptr,
+                              q_hat_ptr, k_dot_q_ptr, decay_in_ptr, beta_ptr, stride_q_t, stride_q_h, stride_k_t,
+                              stride_k_h, stride_v_t, v_head, stride_a_t, stride_b_t, h, hv, offs_k, mask_k,
+                              offs_v, mask_v, H, HV, K_PAD, ALIGNED, EXACT_K, EXACT_V, PREPARED)
         for t in range(0, length):
-            k_hat, q_hat, k_dot_q, decay, beta, v_t = fetched
+            current = fetched
             # the next token's loads go out now (the last iteration fetches its own token again)
-            fetched = fetch_token(start + tl.minimum(t + 1, length - 1), k_hat_ptr, q_hat_ptr, k_dot_q_ptr,
-                                  decay_in_ptr, beta_ptr, v_ptr, stride_v_t, v_head, h, hv, offs_k, offs_v, mask_v,
-                                  H, HV, K_PAD, EXACT_V, ALIGNED)
-
+            fetched = fetch_token(start + tl.minimum(t + 1, length - 1), q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
+                                  k_hat_ptr, q_hat_ptr, k_dot_q_ptr, decay_in_ptr, beta_ptr, stride_q_t, stride_q_h,
+                                  stride_k_t, stride_k_h, stride_v_t, v_head, stride_a_t, stride_b_t, h, hv, offs_k,
+                                  mask_k, offs_v, mask_v, H, HV, K_PAD, ALIGNED, EXACT_K, EXACT_V, PREPARED)
+            k_hat, q_hat, k_dot_q, decay, beta, v_t = ready_token(current, neg_A, dt_bias, scale, GATES_PRECOMPUTED,
+                                                                  USE_L2NORM, PREPARED)
             S, correction, o_t = delta_rule_step(S, k_hat, q_hat, k_dot_q, v_t.to(tl.float32), beta, decay)
 
             tok = (start + t).to(tl.int64)

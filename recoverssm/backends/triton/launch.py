@@ -58,14 +58,15 @@ def _rows_aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and all(s % vec == 0 for s in t.stride()[:-1])
 
 
-def _aligned_token_inputs(v, out):
-    """Return ``(v, kernel_out, aligned)`` such that every call with the same shapes and dtypes
-    compiles to the same recurrence kernel: a ``v`` whose rows are not 16-byte aligned is copied
-    into a packed tensor (small next to the state), and a misaligned ``out`` is written through a
-    packed buffer. ``aligned`` is False only where packing cannot align rows (odd head sizes)."""
-    v = v if _rows_aligned(v) else v.contiguous()
+def _aligned_token_inputs(q, k, v, out):
+    """Return ``(q, k, v, kernel_out, aligned)`` such that every call with the same shapes and
+    dtypes compiles to the same kernels: inputs whose rows are not 16-byte aligned are copied into
+    packed tensors (small next to the state), and a misaligned ``out`` is written through a packed
+    buffer. ``aligned`` is False only where packing cannot align rows (odd head sizes)."""
+    q, k, v = (t if _rows_aligned(t) else t.contiguous() for t in (q, k, v))
     kernel_out = out if _rows_aligned(out) else torch.empty(out.shape, dtype=out.dtype, device=out.device)
-    return v, kernel_out, _rows_aligned(v) and _rows_aligned(kernel_out)
+    aligned = all(_rows_aligned(t) for t in (q, k, v, kernel_out))
+    return q, k, v, kernel_out, aligned
 
 
 MAX_LANES_K = 16
@@ -73,12 +74,14 @@ MAX_LANES_K = 16
 
 class RecurrenceTile(NamedTuple):
     """The recurrence kernel's tile for one call: ``[row_lanes, rows, k_inner, k_pad / k_inner]``,
-    and the register cap it compiles with."""
+    the register cap it compiles with, and whether its tokens come prepared by
+    ``gdn_prepare_kernel`` (otherwise the recurrence kernel prepares them itself)."""
     k_pad: int
     k_inner: int
     rows: int
     row_lanes: int
     max_registers: Optional[int] = None
+    prepared: bool = True
 
     @property
     def block_v(self) -> int:
@@ -88,11 +91,14 @@ class RecurrenceTile(NamedTuple):
 def recurrence_tile(cfg: LaunchConfig, K: int, V: int, heads_times_rows: Optional[int] = None) -> RecurrenceTile:
     """Fit the configured lanes along K and rows per thread to the problem: K is padded to a power
     of two (at least 4), 4 elements per lane along K (16-byte fp32 loads), and no more rows than V
-    has. ``heads_times_rows`` (``HV x`` batch rows of the call) selects fewer rows per thread when
-    the grid would have fewer than ``cfg.gdn_small_grid_programs`` programs. The lanes along K, and
-    with them every row's arithmetic, stay the same: each row's reductions over K are one chain of
-    fused multiply-adds per thread in a fixed order, then the same lanes (gdn.py), so the rows a thread
-    holds never change a bit (tested: ``test_rows_per_thread_do_not_change_the_bits``)."""
+    has. ``heads_times_rows`` (``HV x`` batch rows of the call) selects the small-grid tile when
+    the grid would have fewer than ``cfg.gdn_small_grid_programs`` programs: fewer rows per thread,
+    and tokens prepared inside the recurrence kernel (one launch instead of two). The lanes along
+    K, and with them every sum over K, stay the same: each row's reductions over K are one chain
+    of fused multiply-adds per thread in a fixed order, then the same lanes (gdn.py), and a token's
+    sums are taken by the same functions on the same tile shape in either kernel (gdn_prepare.py),
+    so the tile a batch gets never changes a bit (tested: ``test_rows_per_thread_do_not_change_the_bits``,
+    ``test_prepared_tokens_match_in_kernel_preparation``)."""
     k_pad = max(4, _pow2(K))
     # At most 16 lanes along K, so a warp always has at least 2 row lanes: with all 32 lanes along
     # K (one row lane) the H200 build's committed state differed from native decode in the last
@@ -101,46 +107,54 @@ def recurrence_tile(cfg: LaunchConfig, K: int, V: int, heads_times_rows: Optiona
     k_inner = min(4 * lanes_k, k_pad)
     row_lanes = (32 // lanes_k) * cfg.gdn_warps
     rows = max(1, min(cfg.gdn_rows, _pow2(V) // row_lanes))
-    max_registers = cfg.gdn_max_registers
-    if (heads_times_rows is not None and rows > cfg.gdn_small_grid_rows
+    if (heads_times_rows is not None
             and triton.cdiv(V, rows * row_lanes) * heads_times_rows < cfg.gdn_small_grid_programs):
-        rows, max_registers = max(1, cfg.gdn_small_grid_rows), cfg.gdn_small_grid_max_registers
-    return RecurrenceTile(k_pad, k_inner, rows, row_lanes, max_registers)
+        rows = max(1, min(rows, cfg.gdn_small_grid_rows))
+        return RecurrenceTile(k_pad, k_inner, rows, row_lanes, cfg.gdn_small_grid_max_registers, prepared=False)
+    return RecurrenceTile(k_pad, k_inner, rows, row_lanes, cfg.gdn_max_registers)
 
 
 def gdn_recurrent(cfg: LaunchConfig, mode: str, q, k, v, state, state_indices, query_start_loc,
                   gates: GateInputs, scale: float, use_qk_l2norm: bool, null_slot: int, out,
                   records, snapshot_slots) -> None:
     T, H, K = q.shape
-    if state_indices.shape[0] == 0 or T == 0:
+    HV, V = v.shape[1], v.shape[2]
+    B = state_indices.shape[0]
+    if B == 0 or T == 0:
         return
-    v, kernel_out, aligned = _aligned_token_inputs(v, out)
+    q, k, v, kernel_out, aligned = _aligned_token_inputs(q, k, v, out)
+    tile = recurrence_tile(cfg, K, V, HV * B)
     # the recurrence kernel must follow the preparation directly (a programmatic dependent launch)
-    prepared = prepare_tokens(cfg, q, k, gates, scale, use_qk_l2norm, v.shape[1])
-    _launch_recurrent(cfg, mode, v, prepared, state, state_indices, query_start_loc, null_slot, kernel_out,
-                      records, snapshot_slots, K, H, aligned)
+    prepared = prepare_tokens(cfg, tile, q, k, gates, scale, use_qk_l2norm, HV, aligned) if tile.prepared else None
+    _launch_recurrent(cfg, tile, mode, q, k, v, prepared, state, state_indices, query_start_loc, gates, scale,
+                      use_qk_l2norm, null_slot, kernel_out, records, snapshot_slots, aligned)
     if kernel_out is not out:
         out.copy_(kernel_out)
 
 
-def prepare_tokens(cfg: LaunchConfig, q, k, gates: GateInputs, scale: float, use_qk_l2norm: bool,
-                   HV: int) -> torch.Tensor:
+def _gate_tensors(gates: GateInputs):
+    """``(a, b, A_log, dt_bias)`` as the kernels take them (``g``, ``beta`` when precomputed; the
+    unused two then point anywhere valid)."""
+    if gates.precomputed:
+        return gates.g, gates.beta, gates.g, gates.g
+    return gates.a, gates.b, gates.A_log, gates.dt_bias
+
+
+def prepare_tokens(cfg: LaunchConfig, tile: RecurrenceTile, q, k, gates: GateInputs, scale: float,
+                   use_qk_l2norm: bool, HV: int, aligned: bool) -> torch.Tensor:
     """Normalized keys and queries and the gates of every token of the call, in one launch: an
     fp32 scratch buffer laid out as gdn_prepare.py describes."""
     T, H, K = q.shape
-    k_pad = max(4, _pow2(K))
-    prepared = torch.empty(T * (2 * H * k_pad + H + 2 * HV), dtype=torch.float32, device=q.device)
-    if gates.precomputed:
-        a, b, A_log, dt_bias = gates.g, gates.beta, gates.g, gates.g
-    else:
-        a, b, A_log, dt_bias = gates.a, gates.b, gates.A_log, gates.dt_bias
+    prepared = torch.empty(T * (2 * H * tile.k_pad + H + 2 * HV), dtype=torch.float32, device=q.device)
+    a, b, A_log, dt_bias = _gate_tensors(gates)
     _PREPARE(
         (T, H),
         (q, k, a, b, A_log, dt_bias, prepared,
          q.stride(0), q.stride(1), k.stride(0), k.stride(1), a.stride(0), b.stride(0), T, scale),
-        dict(H=H, HV=HV, K=K, K_PAD=k_pad, GROUP_PAD=_pow2(HV // H), GATES_PRECOMPUTED=gates.precomputed,
-             USE_L2NORM=bool(use_qk_l2norm), LET_DEPENDENT_START=_grid_dependency(cfg)),
-        cfg.options(cfg.prepare_warps))
+        dict(H=H, HV=HV, K=K, K_PAD=tile.k_pad, K_INNER=tile.k_inner, ROW_LANES=tile.row_lanes,
+             GATES_PRECOMPUTED=gates.precomputed, USE_L2NORM=bool(use_qk_l2norm), ALIGNED=aligned,
+             LET_DEPENDENT_START=_grid_dependency(cfg)),
+        cfg.options(cfg.gdn_warps))
     return prepared
 
 
@@ -150,12 +164,12 @@ def _grid_dependency(cfg: LaunchConfig) -> bool:
     return cfg.grid_dependency and not interpreting()
 
 
-def _launch_recurrent(cfg: LaunchConfig, mode: str, v, prepared: torch.Tensor, state, state_indices,
-                      query_start_loc, null_slot: int, out, records, snapshot_slots, K: int, H: int,
-                      aligned: bool) -> None:
-    T, HV, V = v.shape
+def _launch_recurrent(cfg: LaunchConfig, tile: RecurrenceTile, mode: str, q, k, v, prepared, state,
+                      state_indices, query_start_loc, gates: GateInputs, scale: float, use_qk_l2norm: bool,
+                      null_slot: int, out, records, snapshot_slots, aligned: bool) -> None:
+    T, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
     B = state_indices.shape[0]
-    tile = recurrence_tile(cfg, K, V, HV * B)
     if mode == "verify":
         corr, key, decay = records
         max_window = corr.shape[2]
@@ -163,18 +177,20 @@ def _launch_recurrent(cfg: LaunchConfig, mode: str, v, prepared: torch.Tensor, s
         corr = key = decay = out           # unused by these modes; any valid pointer will do
         max_window = snapshot_slots.shape[1] if mode == "snapshot" else INT32_MAX
     snap = snapshot_slots if snapshot_slots is not None else state_indices
-    grid = (triton.cdiv(V, tile.block_v), HV, B)
+    a, b, A_log, dt_bias = _gate_tensors(gates)
+    wait = tile.prepared and _grid_dependency(cfg)
     _RECURRENCE(
-        grid,
-        (v, prepared, out, state, state_indices, query_start_loc,
-         corr, key, decay, snap,
-         v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        (triton.cdiv(V, tile.block_v), HV, B),
+        (q, k, v, a, b, A_log, dt_bias, prepared if tile.prepared else out, out, state, state_indices,
+         query_start_loc, corr, key, decay, snap,
+         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+         a.stride(0), b.stride(0), out.stride(0), out.stride(1),
          state.stride(0), state.stride(1), snap.stride(0),
-         T, state.shape[0], null_slot, max_window, MODES[mode]),
+         T, state.shape[0], null_slot, max_window, scale, MODES[mode]),
         dict(H=H, HV=HV, K=K, V=V, STRIDE_S_V=state.stride(2), K_PAD=tile.k_pad, K_INNER=tile.k_inner,
-             ROWS=tile.rows, ROW_LANES=tile.row_lanes, ALIGNED=aligned,
-             WAIT_FOR_PREPARE=_grid_dependency(cfg)),
-        cfg.options(cfg.gdn_warps, cfg.gdn_stages, tile.max_registers, launch_pdl=_grid_dependency(cfg)))
+             ROWS=tile.rows, ROW_LANES=tile.row_lanes, GATES_PRECOMPUTED=gates.precomputed,
+             USE_L2NORM=bool(use_qk_l2norm), ALIGNED=aligned, PREPARED=tile.prepared, WAIT_FOR_PREPARE=wait),
+        cfg.options(cfg.gdn_warps, cfg.gdn_stages, tile.max_registers, launch_pdl=wait))
 
 
 def plan_commit(cfg: LaunchConfig, num_accepted, state_indices, query_start_loc, request_indices,
