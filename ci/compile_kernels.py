@@ -111,7 +111,7 @@ def cases(cfg: LaunchConfig, K=128, V=128, H=16, HV=48):
                                 "request_indices_ptr", "block_table_ptr", "num_computed_ptr",
                                 "commit_len_ptr", "final_ptr", "boundary_ptr", "boundary_len_ptr")}
     tile = recurrence_tile(cfg, K, V)
-    tiles = {True: tile, False: recurrence_tile(cfg, K, V, heads_times_rows=1)}   # large grid, small grid
+    tiles = {True: tile._replace(prepared=True), False: recurrence_tile(cfg, K, V, heads_times_rows=1, mode="decode")}
     tokens = {"q_ptr": "*bf16", "k_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16"}
     for gates in (False, True):
         yield (f"gdn_prepare precomputed={gates}", gdn_prepare_kernel,

@@ -106,6 +106,7 @@ def test_verify_is_batch_invariant(s):
 TILE_SPLIT_SETTINGS = [
     pytest.param(dict(device="cpu", H=1, HV=2, K=64, V=64), marks=pytest.mark.interpreter, id="interp"),
     pytest.param(dict(device="cuda", H=4, HV=12, K=128, V=128), marks=pytest.mark.gpu, id="gpu"),
+    pytest.param(dict(device="cuda", H=2, HV=4, K=48, V=40), marks=pytest.mark.gpu, id="gpu-padded-k"),
 ]
 
 
@@ -165,8 +166,8 @@ def test_prepared_tokens_match_in_kernel_preparation(s):
 
     from recoverssm.backends.triton import launch
 
-    def in_kernel(rows):   # every grid counts as small: no preparation kernel
-        return replace(launch.LaunchConfig(), gdn_small_grid_programs=2**31, gdn_small_grid_rows=rows)
+    def in_kernel(rows):   # no grid is large enough for the preparation kernel
+        return replace(launch.LaunchConfig(), gdn_rows=rows, gdn_prepare_min_programs=2**31)
 
     _same_bits_under_every_config(s, [("prepared", launch.LaunchConfig()), ("in kernel, 8 rows", in_kernel(8)),
                                       ("in kernel, 4 rows", in_kernel(4)),
@@ -510,7 +511,7 @@ TILE_CONFIGS = [dict(gdn_lanes_k=4, gdn_rows=1), dict(gdn_lanes_k=8, gdn_rows=2)
                 dict(gdn_lanes_k=16, gdn_rows=4), dict(gdn_lanes_k=32, gdn_rows=8), dict(gdn_lanes_k=8, gdn_rows=8),
                 dict(gdn_lanes_k=8, gdn_rows=1, gdn_warps=2),
                 # tokens prepared inside the recurrence kernel (the small-grid path) on the same shapes
-                dict(gdn_lanes_k=8, gdn_rows=2, gdn_small_grid_programs=2**31, gdn_small_grid_rows=2)]
+                dict(gdn_lanes_k=8, gdn_rows=2, gdn_prepare_min_programs=2**31)]
 
 
 @pytest.mark.parametrize("s", [

@@ -25,11 +25,14 @@ class LaunchConfig:
     ``gdn_rows``: V rows each thread holds (a program covers ``gdn_rows * 32 / gdn_lanes_k`` rows
     per warp); ``gdn_max_registers``: a register cap per thread for the recurrence (Triton's
     ``maxnreg``; without one the compiler takes more than the kernel needs, at the cost of
-    occupancy); ``gdn_small_grid_programs``, ``gdn_small_grid_rows``,
+    occupancy); ``gdn_prepared_modes``, ``gdn_prepare_min_programs``: calls of these modes whose
+grid has at least that many programs read each token's ``k^``, ``q^``, sums and gates from
+``gdn_prepare_kernel`` (a second launch, once per token and q/k head); the others prepare them in
+the recurrence kernel, once per state tile (gdn_prepare.py; either way the same bits);
+``gdn_small_grid_programs``, ``gdn_small_grid_rows``,
     ``gdn_small_grid_max_registers``: a call whose grid would have fewer programs than
     ``gdn_small_grid_programs`` (too few to fill the GPU) uses at most ``gdn_small_grid_rows`` rows
-    per thread, with that register cap, and prepares its tokens inside the recurrence kernel (one
-    launch instead of two): more, shorter programs. Rows per thread do not change the
+    per thread, with that register cap: more, shorter programs. Rows per thread do not change the
     arithmetic of a row (the lanes along K do), so calls of either size agree bit for bit;
     ``commit_block_v``, ``commit_warps``: V rows per commit program and its warps;
     ``commit_block_v_bf16``, ``commit_warps_bf16``: the same for bf16 states when set (half the
@@ -47,6 +50,8 @@ the recurrence kernel as a programmatic dependent of the preparation kernel (NVI
     gdn_warps: int = 1
     gdn_stages: Optional[int] = None
     gdn_max_registers: Optional[int] = None
+    gdn_prepared_modes: tuple = ("verify", "decode", "snapshot")
+    gdn_prepare_min_programs: int = 0
     gdn_small_grid_programs: int = 0
     gdn_small_grid_rows: int = 4
     gdn_small_grid_max_registers: Optional[int] = None

@@ -88,17 +88,19 @@ class RecurrenceTile(NamedTuple):
         return self.rows * self.row_lanes
 
 
-def recurrence_tile(cfg: LaunchConfig, K: int, V: int, heads_times_rows: Optional[int] = None) -> RecurrenceTile:
+def recurrence_tile(cfg: LaunchConfig, K: int, V: int, heads_times_rows: Optional[int] = None,
+                    mode: str = "verify") -> RecurrenceTile:
     """Fit the configured lanes along K and rows per thread to the problem: K is padded to a power
     of two (at least 4), 4 elements per lane along K (16-byte fp32 loads), and no more rows than V
-    has. ``heads_times_rows`` (``HV x`` batch rows of the call) selects the small-grid tile when
-    the grid would have fewer than ``cfg.gdn_small_grid_programs`` programs: fewer rows per thread,
-    and tokens prepared inside the recurrence kernel (one launch instead of two). The lanes along
-    K, and with them every sum over K, stay the same: each row's reductions over K are one chain
-    of fused multiply-adds per thread in a fixed order, then the same lanes (gdn.py), and a token's
-    sums are taken by the same functions on the same tile shape in either kernel (gdn_prepare.py),
-    so the tile a batch gets never changes a bit (tested: ``test_rows_per_thread_do_not_change_the_bits``,
-    ``test_prepared_tokens_match_in_kernel_preparation``)."""
+    has. ``heads_times_rows`` (``HV x`` batch rows of the call) selects fewer rows per thread when
+    the grid would have fewer than ``cfg.gdn_small_grid_programs`` programs, and decides, with
+    ``mode``, whether the tokens come prepared by ``gdn_prepare_kernel`` (``cfg.gdn_prepared_modes``,
+    grids of at least ``cfg.gdn_prepare_min_programs`` programs) or are prepared inside the
+    recurrence kernel. The lanes along K, and with them every sum over K, stay the same: each
+    row's reductions over K are one chain of fused multiply-adds per thread in a fixed order, then
+    the same lanes (gdn.py), and a token's sums are taken by the same functions on the same tile
+    shape in either kernel (gdn_prepare.py), so the tile a batch gets never changes a bit (tested:
+    ``test_rows_per_thread_do_not_change_the_bits``, ``test_prepared_tokens_match_in_kernel_preparation``)."""
     k_pad = max(4, _pow2(K))
     # At most 16 lanes along K, so a warp always has at least 2 row lanes: with all 32 lanes along
     # K (one row lane) the H200 build's committed state differed from native decode in the last
@@ -107,11 +109,12 @@ def recurrence_tile(cfg: LaunchConfig, K: int, V: int, heads_times_rows: Optiona
     k_inner = min(4 * lanes_k, k_pad)
     row_lanes = (32 // lanes_k) * cfg.gdn_warps
     rows = max(1, min(cfg.gdn_rows, _pow2(V) // row_lanes))
-    if (heads_times_rows is not None
-            and triton.cdiv(V, rows * row_lanes) * heads_times_rows < cfg.gdn_small_grid_programs):
-        rows = max(1, min(rows, cfg.gdn_small_grid_rows))
-        return RecurrenceTile(k_pad, k_inner, rows, row_lanes, cfg.gdn_small_grid_max_registers, prepared=False)
-    return RecurrenceTile(k_pad, k_inner, rows, row_lanes, cfg.gdn_max_registers)
+    max_registers = cfg.gdn_max_registers
+    programs = None if heads_times_rows is None else triton.cdiv(V, rows * row_lanes) * heads_times_rows
+    if programs is not None and rows > cfg.gdn_small_grid_rows and programs < cfg.gdn_small_grid_programs:
+        rows, max_registers = max(1, cfg.gdn_small_grid_rows), cfg.gdn_small_grid_max_registers
+    prepared = mode in cfg.gdn_prepared_modes and (programs is None or programs >= cfg.gdn_prepare_min_programs)
+    return RecurrenceTile(k_pad, k_inner, rows, row_lanes, max_registers, prepared)
 
 
 def gdn_recurrent(cfg: LaunchConfig, mode: str, q, k, v, state, state_indices, query_start_loc,
@@ -123,7 +126,7 @@ def gdn_recurrent(cfg: LaunchConfig, mode: str, q, k, v, state, state_indices, q
     if B == 0 or T == 0:
         return
     q, k, v, kernel_out, aligned = _aligned_token_inputs(q, k, v, out)
-    tile = recurrence_tile(cfg, K, V, HV * B)
+    tile = recurrence_tile(cfg, K, V, HV * B, mode)
     # the recurrence kernel must follow the preparation directly (a programmatic dependent launch)
     prepared = prepare_tokens(cfg, tile, q, k, gates, scale, use_qk_l2norm, HV, aligned) if tile.prepared else None
     _launch_recurrent(cfg, tile, mode, q, k, v, prepared, state, state_indices, query_start_loc, gates, scale,
