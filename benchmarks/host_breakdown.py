@@ -60,19 +60,16 @@ def main():
                                       None, -1, None)
         api._check_records(cc, w.records, dims)
 
-    prepared = launch.prepare_tokens(cfg, w.q, w.k, gates, K ** -0.5, True, 48)
     rows += [("verify: whole call", w.verify),
              ("verify: checks", verify_checks),
              ("verify: backend resolve", lambda: api._resolve("cuda", w.q.device)),
              ("verify: launcher (pack + launch)", lambda: launch.gdn_recurrent(
                  cfg, "verify", w.q, w.k, w.v, w.state, w.state_indices, w.query_start_loc, gates,
                  K ** -0.5, True, -1, out, rec, None)),
-             ("verify: input alignment check", lambda: launch._aligned_token_inputs(w.v, out)),
-             ("verify: preparation (alloc + launch)", lambda: launch.prepare_tokens(
-                 cfg, w.q, w.k, gates, K ** -0.5, True, 48)),
-             ("verify: recurrence launch only", lambda: launch._launch_recurrent(
-                 cfg, "verify", w.v, prepared, w.state, w.state_indices, w.query_start_loc, -1, out, rec, None,
-                 K, H, True)),
+             ("verify: input alignment check", lambda: launch._aligned_token_inputs(w.q, w.k, w.v, out)),
+             ("verify: kernel launch only", lambda: launch._launch_recurrent(
+                 cfg, "verify", w.q, w.k, w.v, w.state, w.state_indices, w.query_start_loc, gates,
+                 K ** -0.5, True, -1, out, rec, None, True)),
              ("torch.empty_like", lambda: torch.empty_like(w.v))]
     for name, fn in rows:
         print(f"{name:40s} {host_us(fn):8.2f} us", flush=True)

@@ -32,8 +32,7 @@ def main() -> None:
     rs.gdn_decode(w.q, w.k, w.v, state=state, state_indices=w.state_indices, query_start_loc=w.query_start_loc,
                   **w.gates())
     torch.cuda.synchronize()
-    print("sanitize case ran: conv_verify, gdn_verify (preparation + recurrence), grouped align commit with "
-          "conv compaction, gdn_decode")
+    print("sanitize case ran: conv_verify, gdn_verify, grouped align commit with conv compaction, gdn_decode")
 
 
 if __name__ == "__main__":

@@ -44,8 +44,6 @@ def main():
     ap.add_argument("--ncu-case", action="store_true")
     ap.add_argument("--grid", help="configurations to sweep, e.g. 8x4,8x4x128 "
                     "(lanes_k x rows [x register cap, 0: none])")
-    ap.add_argument("--no-grid-dependency", action="store_true",
-                    help="launch the recurrence kernel plainly after the preparation kernel")
     args = ap.parse_args()
     if args.ncu_case:
         w = window(64, 4, H, 48, K, V)
@@ -68,18 +66,18 @@ def main():
     # (lanes along K, rows per thread, register cap): check a cap compiles without spills
     # (`python ci/compile_kernels.py` with Triton 3.6 for sm_90) before spending GPU time on it.
     # Lanes along K above launch.MAX_LANES_K (16) run as 16, so the sweep stops there.
-    grid = [(8, 8, None), (8, 4, 168), (8, 4, None), (16, 8, None), (8, 2, None)]
+    grid = [(8, 8, None), (8, 4, 168), (8, 4, None), (16, 8, 168), (16, 8, None)]
     if args.grid:
         grid = [tuple(int(x) or None for x in c.split("x")) + (None,) * (3 - len(c.split("x")))
                 for c in args.grid.split(",")]
     if args.quick:
         grid = grid[:3]
-    # the cuda backend's table row (small-grid rule, grid dependency) with the swept fields replaced
-    base = replace(CudaBackend.launch_table[None], grid_dependency=not args.no_grid_dependency)
+    # the cuda backend's table row (small-grid rule included) with the swept fields replaced
+    base = CudaBackend.launch_table[None]
     results = []
     for lanes_k, rows, max_registers in grid:
         cfg = replace(base, gdn_lanes_k=lanes_k, gdn_rows=rows, gdn_max_registers=max_registers)
-        row = dict(lanes_k=lanes_k, rows=rows, max_registers=max_registers, grid_dependency=base.grid_dependency)
+        row = dict(lanes_k=lanes_k, rows=rows, max_registers=max_registers)
         try:
             for N, T, HV, mode in shapes:
                 ws = wins[(N, T, HV)]

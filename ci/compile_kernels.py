@@ -30,7 +30,6 @@ from triton.compiler import ASTSource
 from recoverssm.backends.triton.commit import grouped_commit_kernel, plan_commit_kernel
 from recoverssm.backends.triton.conv import conv_verify_kernel
 from recoverssm.backends.triton.gdn import gdn_recurrent_kernel
-from recoverssm.backends.triton.gdn_prepare import gdn_prepare_kernel
 from recoverssm.backends.triton.launch import LaunchConfig, recurrence_tile
 
 
@@ -110,23 +109,16 @@ def cases(cfg: LaunchConfig, K=128, V=128, H=16, HV=48):
     ints = {n: "*i32" for n in ("state_indices_ptr", "qsl_ptr", "snapshot_ptr", "num_accepted_ptr",
                                 "request_indices_ptr", "block_table_ptr", "num_computed_ptr",
                                 "commit_len_ptr", "final_ptr", "boundary_ptr", "boundary_len_ptr")}
+    f32 = {"scale": "fp32"}
     tile = recurrence_tile(cfg, K, V)
-    tiles = {True: tile._replace(prepared=True), False: recurrence_tile(cfg, K, V, heads_times_rows=1, mode="decode")}
-    tokens = {"q_ptr": "*bf16", "k_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16"}
-    for gates in (False, True):
-        yield (f"gdn_prepare precomputed={gates}", gdn_prepare_kernel,
-               dict(H=H, HV=HV, K=K, K_PAD=tile.k_pad, K_INNER=tile.k_inner, ROW_LANES=tile.row_lanes,
-                    GATES_PRECOMPUTED=gates, USE_L2NORM=True, ALIGNED=True, LET_DEPENDENT_START=cfg.grid_dependency),
-               {**tokens, "scale": "fp32"}, cfg.options(cfg.gdn_warps))
     for state in ("*fp32", "*bf16"):
-        for prepared, t in tiles.items():
-            wait = prepared and cfg.grid_dependency
-            yield (f"gdn_recurrent prepared={prepared} state={state}", gdn_recurrent_kernel,
-                   dict(H=H, HV=HV, K=K, V=V, STRIDE_S_V=K, K_PAD=t.k_pad, K_INNER=t.k_inner, ROWS=t.rows,
-                        ROW_LANES=t.row_lanes, GATES_PRECOMPUTED=False, USE_L2NORM=True, ALIGNED=True,
-                        PREPARED=prepared, WAIT_FOR_PREPARE=wait),
-                   {**ints, **tokens, "scale": "fp32", "state_ptr": state, "v_ptr": "*bf16", "out_ptr": "*bf16"},
-                   cfg.options(cfg.gdn_warps, cfg.gdn_stages, t.max_registers, launch_pdl=wait))
+        for gates in (False, True):
+            yield (f"gdn_recurrent precomputed={gates} state={state}", gdn_recurrent_kernel,
+                   dict(H=H, HV=HV, K=K, V=V, STRIDE_S_V=K, K_PAD=tile.k_pad, K_INNER=tile.k_inner, ROWS=tile.rows,
+                        ROW_LANES=tile.row_lanes, GATES_PRECOMPUTED=gates, USE_L2NORM=True, ALIGNED=True),
+                   {**ints, **f32, "state_ptr": state, "q_ptr": "*bf16", "k_ptr": "*bf16",
+                    "v_ptr": "*bf16", "out_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16"},
+                   cfg.options(cfg.gdn_warps, cfg.gdn_stages, cfg.gdn_max_registers))
     yield ("conv_verify", conv_verify_kernel,
            dict(WIDTH=4, BD=cfg.conv_block, HAS_BIAS=True, SILU=True),
            {**ints, "x_ptr": "*bf16", "conv_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16",

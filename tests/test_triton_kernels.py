@@ -103,46 +103,10 @@ def test_verify_is_batch_invariant(s):
         assert torch.equal(getattr(rec_two, name)[:2], getattr(rec_all, name)[:2]), name
 
 
-TILE_SPLIT_SETTINGS = [
+@pytest.mark.parametrize("s", [
     pytest.param(dict(device="cpu", H=1, HV=2, K=64, V=64), marks=pytest.mark.interpreter, id="interp"),
     pytest.param(dict(device="cuda", H=4, HV=12, K=128, V=128), marks=pytest.mark.gpu, id="gpu"),
-    pytest.param(dict(device="cuda", H=2, HV=4, K=48, V=40), marks=pytest.mark.gpu, id="gpu-padded-k"),
-]
-
-
-def _same_bits_under_every_config(s, configs):
-    """Verify and native decode of one problem under each launch config: records, outputs and
-    decoded states must be identical across configs, and a commit of the first config's records
-    must equal the last config's native decode."""
-    from recoverssm.backends.triton import launch
-    from recoverssm.core.backend import GateInputs
-
-    device, K, V = s["device"], s["K"], s["V"]
-    p = make_problem([3, 1, 4, 2], T=4, padding=(1,), H=s["H"], HV=s["HV"], K=K, V=V, device=device,
-                     num_slots=8, sources_below=6)
-    gates = GateInputs(**p.gates)
-    results = []
-    for label, cfg in configs:
-        rec = p.records()
-        out = torch.empty_like(p.v)
-        launch.gdn_recurrent(cfg, "verify", p.q, p.k, p.v, p.state, p.state_indices, p.query_start_loc,
-                             gates, K ** -0.5, True, -1, out, (rec.correction, rec.key, rec.decay), None)
-        native = p.state.clone()
-        launch.gdn_recurrent(cfg, "decode", p.q, p.k, p.v, native, p.state_indices, p.query_start_loc,
-                             gates, K ** -0.5, True, -1, torch.empty_like(p.v), None, None)
-        results.append((label, out, rec, native))
-    _, out0, rec0, native0 = results[0]
-    for label, out, rec, native in results[1:]:
-        assert torch.equal(out, out0), label
-        for name in ("correction", "key", "decay"):
-            assert torch.equal(getattr(rec, name), getattr(rec0, name)), (label, name)
-        assert torch.equal(native, native0), label
-    committed = p.state.clone()
-    commit(p, committed, rec0, torch.full((p.B,), 4, dtype=torch.int32, device=device), "cuda")
-    assert torch.equal(committed, results[-1][3])
-
-
-@pytest.mark.parametrize("s", TILE_SPLIT_SETTINGS)
+])
 def test_rows_per_thread_do_not_change_the_bits(s):
     """The launcher picks fewer rows per thread for a small grid (``launch.recurrence_tile``), so
     verify of a large batch and native decode of a small one may run different tiles with the same
@@ -151,27 +115,32 @@ def test_rows_per_thread_do_not_change_the_bits(s):
     from dataclasses import replace
 
     from recoverssm.backends.triton import launch
+    from recoverssm.core.backend import GateInputs
 
-    _same_bits_under_every_config(s, [(rows, replace(launch.LaunchConfig(), gdn_rows=rows)) for rows in (8, 4, 2, 1)])
-
-
-@pytest.mark.parametrize("s", TILE_SPLIT_SETTINGS)
-def test_prepared_tokens_match_in_kernel_preparation(s):
-    """Large grids read their tokens' ``k^``, ``q^``, sums and gates from ``gdn_prepare_kernel``;
-    small grids prepare them inside the recurrence kernel (``launch.recurrence_tile``). Both take
-    the sums with the same functions on the same tile shape, so a request's records, outputs and
-    decoded state are the same bits either way, and records from one path commit to the other's
-    native state."""
-    from dataclasses import replace
-
-    from recoverssm.backends.triton import launch
-
-    def in_kernel(rows):   # no grid is large enough for the preparation kernel
-        return replace(launch.LaunchConfig(), gdn_rows=rows, gdn_prepare_min_programs=2**31)
-
-    _same_bits_under_every_config(s, [("prepared", launch.LaunchConfig()), ("in kernel, 8 rows", in_kernel(8)),
-                                      ("in kernel, 4 rows", in_kernel(4)),
-                                      ("prepared, 2 rows", replace(launch.LaunchConfig(), gdn_rows=2))])
+    device, K, V = s["device"], s["K"], s["V"]
+    p = make_problem([3, 1, 4, 2], T=4, padding=(1,), H=s["H"], HV=s["HV"], K=K, V=V, device=device,
+                     num_slots=8, sources_below=6)
+    gates = GateInputs(**p.gates)
+    results = []
+    for rows in (8, 4, 2, 1):
+        cfg = replace(launch.LaunchConfig(), gdn_rows=rows)
+        rec = p.records()
+        out = torch.empty_like(p.v)
+        launch.gdn_recurrent(cfg, "verify", p.q, p.k, p.v, p.state, p.state_indices, p.query_start_loc,
+                             gates, K ** -0.5, True, -1, out, (rec.correction, rec.key, rec.decay), None)
+        native = p.state.clone()
+        launch.gdn_recurrent(cfg, "decode", p.q, p.k, p.v, native, p.state_indices, p.query_start_loc,
+                             gates, K ** -0.5, True, -1, torch.empty_like(p.v), None, None)
+        results.append((rows, out, rec, native))
+    _, out8, rec8, native8 = results[0]
+    for rows, out, rec, native in results[1:]:
+        assert torch.equal(out, out8), rows
+        for name in ("correction", "key", "decay"):
+            assert torch.equal(getattr(rec, name), getattr(rec8, name)), (rows, name)
+        assert torch.equal(native, native8), rows
+    committed = p.state.clone()
+    commit(p, committed, rec8, torch.full((p.B,), 4, dtype=torch.int32, device=device), "cuda")
+    assert torch.equal(committed, results[-1][3])
 
 
 @pytest.mark.parametrize("s", SETTINGS)
@@ -509,9 +478,7 @@ def test_commit_matches_decode_whatever_the_input_alignment(s):
 # lanes_k=32 runs as 16 (launch.MAX_LANES_K): the entry checks that the clamp keeps the bits right
 TILE_CONFIGS = [dict(gdn_lanes_k=4, gdn_rows=1), dict(gdn_lanes_k=8, gdn_rows=2),
                 dict(gdn_lanes_k=16, gdn_rows=4), dict(gdn_lanes_k=32, gdn_rows=8), dict(gdn_lanes_k=8, gdn_rows=8),
-                dict(gdn_lanes_k=8, gdn_rows=1, gdn_warps=2),
-                # tokens prepared inside the recurrence kernel (the small-grid path) on the same shapes
-                dict(gdn_lanes_k=8, gdn_rows=2, gdn_prepare_min_programs=2**31)]
+                dict(gdn_lanes_k=8, gdn_rows=1, gdn_warps=2)]
 
 
 @pytest.mark.parametrize("s", [

@@ -18,12 +18,9 @@ class CudaBackend(TritonBackend):
     launch_table = {
         # A grid of fewer than 792 programs (N <= 4 at HV = 48) takes 4 rows per thread, capped to
         # fit 12 warps per SM: twice the programs still fit one wave (132 SMs x 12 / 2). Larger
-        # grids keep 8 rows: at N = 8 the small tile needed a second wave. Verify grids of at least
-        # 4096 programs (N >= 32 at HV = 32) read prepared tokens; smaller ones, and decode and
-        # snapshot (bound by the state's traffic), were faster in one launch (docs/BENCHMARKS.md).
+        # grids keep 8 rows: at N = 8 the small tile needed a second wave (docs/BENCHMARKS.md).
         None: LaunchConfig(gdn_small_grid_programs=792, gdn_small_grid_rows=4, gdn_small_grid_max_registers=168,
-                           gdn_prepared_modes=("verify",), gdn_prepare_min_programs=4096,
-                           commit_block_v_bf16=64, commit_warps_bf16=4, grid_dependency=True),
+                           commit_block_v_bf16=64, commit_warps_bf16=4),
     }
 
     def device_present(self) -> bool:

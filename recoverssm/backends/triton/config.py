@@ -25,11 +25,7 @@ class LaunchConfig:
     ``gdn_rows``: V rows each thread holds (a program covers ``gdn_rows * 32 / gdn_lanes_k`` rows
     per warp); ``gdn_max_registers``: a register cap per thread for the recurrence (Triton's
     ``maxnreg``; without one the compiler takes more than the kernel needs, at the cost of
-    occupancy); ``gdn_prepared_modes``, ``gdn_prepare_min_programs``: calls of these modes whose
-grid has at least that many programs read each token's ``k^``, ``q^``, sums and gates from
-``gdn_prepare_kernel`` (a second launch, once per token and q/k head); the others prepare them in
-the recurrence kernel, once per state tile (gdn_prepare.py; either way the same bits);
-``gdn_small_grid_programs``, ``gdn_small_grid_rows``,
+    occupancy); ``gdn_small_grid_programs``, ``gdn_small_grid_rows``,
     ``gdn_small_grid_max_registers``: a call whose grid would have fewer programs than
     ``gdn_small_grid_programs`` (too few to fill the GPU) uses at most ``gdn_small_grid_rows`` rows
     per thread, with that register cap: more, shorter programs. Rows per thread do not change the
@@ -39,9 +35,7 @@ the recurrence kernel, once per state tile (gdn_prepare.py; either way the same 
     bytes per row: the replay's arithmetic, not memory, decides the best tile; the commit is
     element-wise, so its tile never changes a bit); ``commit_max_registers``,
     ``commit_max_registers_bf16``: register caps for the commit (more programs per SM keep more
-    state bytes in flight); ``conv_block``: channels per conv program; ``grid_dependency``: launch
-the recurrence kernel as a programmatic dependent of the preparation kernel (NVIDIA sm_90+ only;
-``grid_dependency.py``).
+    state bytes in flight); ``conv_block``: channels per conv program.
     ``compile_options``: extra options for every launch (e.g. ``grf_mode`` on Intel GPUs).
     """
 
@@ -50,8 +44,6 @@ the recurrence kernel as a programmatic dependent of the preparation kernel (NVI
     gdn_warps: int = 1
     gdn_stages: Optional[int] = None
     gdn_max_registers: Optional[int] = None
-    gdn_prepared_modes: tuple = ("verify", "decode", "snapshot")
-    gdn_prepare_min_programs: int = 0
     gdn_small_grid_programs: int = 0
     gdn_small_grid_rows: int = 4
     gdn_small_grid_max_registers: Optional[int] = None
@@ -64,7 +56,6 @@ the recurrence kernel as a programmatic dependent of the preparation kernel (NVI
     conv_block: int = 128
     conv_warps: int = 4
     plan_block: int = 128
-    grid_dependency: bool = False
     compile_options: dict = field(default_factory=dict)
 
     def commit_tile(self, bf16_state: bool) -> tuple[int, int, Optional[int]]:
@@ -75,7 +66,7 @@ the recurrence kernel as a programmatic dependent of the preparation kernel (NVI
         return self.commit_block_v, self.commit_warps, self.commit_max_registers
 
     def options(self, num_warps: int, num_stages: Optional[int] = None,
-                max_registers: Optional[int] = None, launch_pdl: bool = False) -> dict:
+                max_registers: Optional[int] = None) -> dict:
         # enable_fp_fusion=False: no multiply-add is contracted behind our back; every fused
         # multiply-add of the contract is an explicit tl.fma. Bit-identity depends on it: with
         # contraction on, verify and decode of one compiled recurrence kernel disagreed on the
@@ -85,6 +76,4 @@ the recurrence kernel as a programmatic dependent of the preparation kernel (NVI
             opts["num_stages"] = num_stages
         if max_registers is not None:
             opts["maxnreg"] = max_registers
-        if launch_pdl:
-            opts["launch_pdl"] = True
         return opts

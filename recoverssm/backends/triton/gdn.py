@@ -31,23 +31,107 @@ updated. Verify, decode and snapshot execute the same instructions on the same v
 import triton
 import triton.language as tl
 
-from .gdn_prepare import (fetch_raw_token, head_gate_parameters, normalized_token, prepared_parts, token_gates,
-                          token_vector_offsets)
-from .grid_dependency import gdc_wait
 from .numerics import to_storage
-from .tile_ops import dot_over_k, load_masked, store_masked
 
 MODE_VERIFY = tl.constexpr(0)
 MODE_DECODE = tl.constexpr(1)
 MODE_SNAPSHOT = tl.constexpr(2)
 
+L2NORM_EPS = tl.constexpr(1e-6)
+SOFTPLUS_THRESHOLD = tl.constexpr(20.0)
+
 
 @triton.jit
-def delta_rule_step(S, k_hat, q_hat, k_dot_q, v, beta, decay):
+def load_masked(ptrs, mask, EXACT: tl.constexpr):
+    """``tl.load`` that skips the mask when the tile is known to be exactly in bounds (saves the
+    predicate registers and instructions of the common K = V = 128 case)."""
+    if EXACT:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def store_masked(ptrs, value, mask, EXACT: tl.constexpr):
+    if EXACT:
+        tl.store(ptrs, value)
+    else:
+        tl.store(ptrs, value, mask=mask)
+
+
+@triton.jit
+def fma_chain(x, y, acc):
+    """``acc`` plus the products of ``x`` and ``y`` ``[..., M]`` over their last axis (held by one
+    thread), one fused multiply-add after another: a chain of M instructions. M is a power of
+    two; the split into halves only renames registers."""
+    M: tl.constexpr = x.shape[len(x.shape) - 1]
+    if M == 1:
+        return tl.fma(tl.reshape(x, x.shape[:-1]), tl.reshape(y, y.shape[:-1]), acc)
+    else:
+        x_even, x_odd = tl.split(tl.reshape(x, x.shape[:-1] + [M // 2, 2]))
+        y_even, y_odd = tl.split(tl.reshape(y, y.shape[:-1] + [M // 2, 2]))
+        return fma_chain(x_odd, y_odd, fma_chain(x_even, y_even, acc))
+
+
+@triton.jit
+def dot_over_k(x, y):
+    """``sum over K of x * y`` for ``[ROW_LANES, R | 1, K_INNER, K_CHUNKS]`` tiles -> ``[ROW_LANES, R]``.
+
+    Each thread folds all the K elements it holds of a row (``K_CHUNKS`` groups of 4) into one
+    chain of fused multiply-adds (the kernels are compiled without automatic contraction, which
+    would otherwise leave a multiply and an add per element), then the lanes are summed. One
+    chain per row costs one instruction per element: folding each group of 4 on its own and
+    adding the groups cost ``2 * (K_CHUNKS - 1)`` more per row (96 per token and warp at the
+    default tile). The reshape to ``[..., K_INNER / 4 (lanes), 4 * K_CHUNKS (the thread's)]``
+    merges two in-thread axes, so it only renames registers."""
+    RL: tl.constexpr = x.shape[0]
+    R: tl.constexpr = x.shape[1] if x.shape[1] > y.shape[1] else y.shape[1]
+    KI: tl.constexpr = x.shape[2]
+    KC: tl.constexpr = x.shape[3]
+    xs = tl.reshape(tl.broadcast_to(x, [RL, R, KI, KC]), [RL, R, KI // 4, 4 * KC])
+    ys = tl.reshape(tl.broadcast_to(y, [RL, R, KI, KC]), [RL, R, KI // 4, 4 * KC])
+    return tl.sum(fma_chain(xs, ys, tl.zeros([RL, R, KI // 4], dtype=tl.float32)), axis=2)
+
+
+@triton.jit
+def token_dot(x, y):
+    """``sum over K of x * y`` for two token vectors ``[ROW_LANES, 1, K_INNER, K_CHUNKS]`` (each
+    broadcast over the row lanes): one scalar.
+
+    A scalar has no layout. A reduction whose result had one could be recomputed by Triton in a
+    second layout for a consumer that wants it (it did for ``k . k`` at 32 lanes along K), with
+    the lanes summed in another order: the normalized key stored as the replay record then
+    differed in the last bit from the key of the in-kernel update, and commit != decode. Every
+    copy of ``k^`` computed from a scalar norm is the same elementwise product."""
+    per_lane_group = dot_over_k(x, y)                              # [ROW_LANES, 1], all equal
+    return tl.max(tl.max(per_lane_group, axis=1), axis=0)
+
+
+@triton.jit
+def inverse_l2_norm(x):
+    """``1 / sqrt(sum(x^2) + eps)`` over K of a token vector: a scalar. The hardware's reciprocal
+    square root (about 2 ulp) rather than IEEE ``sqrt_rn``/``div_rn``: those are subroutines
+    that cost registers, hence occupancy; the normalized key is recorded, so the commit replays
+    it exactly either way."""
+    return tl.rsqrt(token_dot(x, x) + L2NORM_EPS)
+
+
+@triton.jit
+def softplus(x):
+    """``x if x > 20 else log1p(exp(x))``, with log1p written out so tiny ``exp(x)`` keeps its digits."""
+    y = tl.exp(tl.minimum(x, SOFTPLUS_THRESHOLD))
+    one_plus = 1.0 + y
+    rounded_away = one_plus == 1.0
+    log1p = tl.where(rounded_away, y, tl.log(one_plus) * (y / tl.where(rounded_away, 1.0, one_plus - 1.0)))
+    return tl.where(x > SOFTPLUS_THRESHOLD, x, log1p)
+
+
+@triton.jit
+def delta_rule_step(S, k_hat, q_hat, v, beta, decay):
     """One token of the gated delta rule on a ``[ROW_LANES, R, K_INNER, K_CHUNKS]`` fp32 tile.
 
     ``k_hat``, ``q_hat``: ``[ROW_LANES, 1, K_INNER, K_CHUNKS]``; ``v``: ``[ROW_LANES, R]``;
-    ``k_dot_q``, ``beta``, ``decay``: scalars (prepared, gdn_prepare.py). Returns the new tile, the correction ``c_t`` ``[ROW_LANES, R]``
+    ``beta``, ``decay``: scalars. Returns the new tile, the correction ``c_t`` ``[ROW_LANES, R]``
     (the replay record) and the output.
 
     The output uses ``S_new q = S' q + c (k . q)``: both reductions then read ``S'`` and run side
@@ -59,81 +143,63 @@ def delta_rule_step(S, k_hat, q_hat, k_dot_q, v, beta, decay):
     partial_out = dot_over_k(S, q_hat)
     correction = beta * (v - predicted)
     S = tl.fma(correction[:, :, None, None], k_hat, S)
-    out = tl.fma(correction, k_dot_q, partial_out)
+    out = tl.fma(correction, token_dot(k_hat, q_hat), partial_out)
     return S, correction, out
 
 
-
-
 @triton.jit
-def along_rows(ptrs, ALIGNED: tl.constexpr):
-    """Pointers ``[ROW_LANES, ROWS]`` into a token's V vector (``v``, ``out``): when the launcher
-    guarantees 16-byte aligned rows, say that each thread's ``ROWS`` elements are contiguous and
-    start aligned, so they move in one wide access instead of one per element."""
-    if ALIGNED:
-        ROWS: tl.constexpr = ptrs.shape[1]
-        ROW_BYTES: tl.constexpr = ROWS * (ptrs.dtype.element_ty.primitive_bitwidth // 8)
-        return tl.max_contiguous(tl.multiple_of(ptrs, [1, 16 if ROW_BYTES > 16 else ROW_BYTES]), [1, ROWS])
-    else:
-        return ptrs
-
-
-@triton.jit
-def fetch_token(tok, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, k_hat_ptr, q_hat_ptr, k_dot_q_ptr, decay_ptr, beta_ptr,
-                stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, v_head, stride_a_t, stride_b_t, h, hv,
-                offs_k, mask_k, offs_v, mask_v, H: tl.constexpr, HV: tl.constexpr, K_PAD: tl.constexpr,
-                ALIGNED: tl.constexpr, EXACT_K: tl.constexpr, EXACT_V: tl.constexpr, PREPARED: tl.constexpr):
-    """Issue the loads of one token's inputs: ``v`` as stored, and either the prepared ``k^``,
-    ``q^`` (token vectors; rows of ``K_PAD`` fp32, always 16-byte aligned and in bounds),
-    ``k^ . q^``, ``d_t``, ``beta_t`` (``PREPARED``) or ``k``, ``q`` and the gate inputs as stored.
-    The token loop fetches token ``t + 1`` before it works on token ``t``, so the loads' latency
-    hides behind a token's arithmetic."""
+def fetch_token(tok, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, stride_q_t, stride_k_t, stride_v_t, stride_a_t,
+                stride_b_t, q_head, k_head, v_head, hv, offs_k, mask_k, offs_v, mask_v,
+                ALIGNED: tl.constexpr, EXACT_K: tl.constexpr, EXACT_V: tl.constexpr):
+    """Issue the loads of one token's inputs, as stored (``k``, ``q`` broadcast over the row
+    lanes, ``v``, the two gate inputs). The token loop fetches token ``t + 1`` before it works on
+    token ``t``, so the loads' latency hides behind a token's arithmetic."""
     tok = tok.to(tl.int64)
-    v_t = load_masked(along_rows(v_ptr + tok * stride_v_t + v_head + offs_v, ALIGNED), mask_v, EXACT_V)
-    if PREPARED:
-        head = (tok * H + h) * K_PAD
-        k_ptrs = tl.max_contiguous(tl.multiple_of(k_hat_ptr + head + offs_k, [1, 1, 16, 16]), [1, 1, 4, 1])
-        q_ptrs = tl.max_contiguous(tl.multiple_of(q_hat_ptr + head + offs_k, [1, 1, 16, 16]), [1, 1, 4, 1])
-        return (tl.load(k_ptrs), tl.load(q_ptrs), tl.load(k_dot_q_ptr + tok * H + h),
-                tl.load(decay_ptr + tok * HV + hv), tl.load(beta_ptr + tok * HV + hv), v_t)
-    else:
-        k_t, q_t, a_t, b_t = fetch_raw_token(tok, q_ptr, k_ptr, a_ptr, b_ptr, stride_q_t, stride_k_t, stride_a_t,
-                                             stride_b_t, h * stride_q_h, h * stride_k_h, hv, offs_k, mask_k,
-                                             ALIGNED, EXACT_K)
-        return k_t, q_t, a_t, b_t, v_t
+    k_ptrs = k_ptr + tok * stride_k_t + k_head + offs_k
+    q_ptrs = q_ptr + tok * stride_q_t + q_head + offs_k
+    if ALIGNED:   # the launcher guarantees 16-byte aligned rows; 4-element groups match the tile
+        k_ptrs = tl.max_contiguous(tl.multiple_of(k_ptrs, [1, 1, 8, 8]), [1, 1, 4, 1])
+        q_ptrs = tl.max_contiguous(tl.multiple_of(q_ptrs, [1, 1, 8, 8]), [1, 1, 4, 1])
+    k_t = load_masked(k_ptrs, mask_k, EXACT_K)
+    q_t = load_masked(q_ptrs, mask_k, EXACT_K)
+    v_t = load_masked(v_ptr + tok * stride_v_t + v_head + offs_v, mask_v, EXACT_V)
+    a_t = tl.load(a_ptr + tok * stride_a_t + hv)
+    b_t = tl.load(b_ptr + tok * stride_b_t + hv)
+    return k_t, q_t, v_t, a_t, b_t
 
 
 @triton.jit
-def ready_token(fetched, neg_A, dt_bias, scale, GATES_PRECOMPUTED: tl.constexpr, USE_L2NORM: tl.constexpr,
-                PREPARED: tl.constexpr):
-    """A fetched token as the step takes it: ``(k^, q^, k^ . q^, d_t, beta_t, v)``, fp32 but ``v``."""
-    if PREPARED:
-        return fetched
+def prepare_token(k_t, q_t, v_t, a_t, b_t, neg_A, dt_bias, scale,
+                  GATES_PRECOMPUTED: tl.constexpr, USE_L2NORM: tl.constexpr):
+    """One fetched token, ready for the step: ``k^``, ``q^`` (normalized, scaled), ``v``, decay
+    and beta, all fp32."""
+    k_hat = k_t.to(tl.float32)
+    q_hat = q_t.to(tl.float32)
+    a_t = a_t.to(tl.float32)
+    b_t = b_t.to(tl.float32)
+    if USE_L2NORM:
+        k_hat = k_hat * inverse_l2_norm(k_hat)
+        q_hat = q_hat * (inverse_l2_norm(q_hat) * scale)
     else:
-        k_t, q_t, a_t, b_t, v_t = fetched
-        k_hat, q_hat, k_dot_q = normalized_token(k_t, q_t, scale, USE_L2NORM)
-        decay, beta = token_gates(a_t, b_t, neg_A, dt_bias, GATES_PRECOMPUTED)
-        return k_hat, q_hat, k_dot_q, decay, beta, v_t
-
-
-@triton.jit
-def row_window(qsl_ptr, row, num_tokens, max_window):
-    """The batch row's first token and window length, clamped so that no index value can take a
-    load out of bounds."""
-    start = tl.maximum(tl.load(qsl_ptr + row), 0)
-    end = tl.minimum(tl.load(qsl_ptr + row + 1), num_tokens)
-    return start, end, tl.minimum(tl.maximum(end - start, 0), max_window)
+        q_hat = q_hat * scale
+    if GATES_PRECOMPUTED:
+        decay = tl.exp(a_t)
+        beta = b_t
+    else:
+        decay = tl.exp(neg_A * softplus(a_t + dt_bias))
+        beta = 1.0 / (1.0 + tl.exp(-b_t))
+    return k_hat, q_hat, v_t.to(tl.float32), decay, beta
 
 
 # Everything that may differ between a verify call and the native call it must match (token
-# inputs, prepared values, records, outputs, index tensors, scalars, the mode itself) is kept out
-# of Triton's specialization, so verify, decode and snapshot run the *same compiled kernel*: only
-# the state (shared by both paths) and the constexprs select the binary. Had Triton specialized on
-# an alignment or a stride that is a multiple of 16 in one call and not in the other, the two calls
+# inputs, records, outputs, index tensors, scalars, the mode itself) is kept out of Triton's
+# specialization, so verify, decode and snapshot run the *same compiled kernel*: only the state
+# (shared by both paths) and the constexprs select the binary. Had Triton specialized on an
+# alignment or a stride that is a multiple of 16 in one call and not in the other, the two calls
 # could have compiled to different instruction sequences (seen for K = 32 and 64 with an earlier
 # tile). Alignment is instead the constexpr ALIGNED, which the launcher makes true for every call
 # it can (see launch.py).
-_TOKEN_POINTERS = ["q_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr", "A_log_ptr", "dt_bias_ptr", "prepared_ptr", "out_ptr",
+_TOKEN_POINTERS = ["q_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr", "A_log_ptr", "dt_bias_ptr", "out_ptr",
                    "state_indices_ptr", "qsl_ptr", "corr_ptr", "key_ptr", "decay_ptr", "snapshot_ptr"]
 _RUNTIME_SCALARS = ["stride_q_t", "stride_q_h", "stride_k_t", "stride_k_h", "stride_v_t", "stride_v_h",
                     "stride_a_t", "stride_b_t", "stride_o_t", "stride_o_h", "stride_snap_row",
@@ -142,7 +208,7 @@ _RUNTIME_SCALARS = ["stride_q_t", "stride_q_h", "stride_k_t", "stride_k_h", "str
 
 @triton.jit(do_not_specialize=_RUNTIME_SCALARS, do_not_specialize_on_alignment=_TOKEN_POINTERS)
 def gdn_recurrent_kernel(
-    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, prepared_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, out_ptr,
     state_ptr, state_indices_ptr, qsl_ptr,
     corr_ptr, key_ptr, decay_ptr, snapshot_ptr,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
@@ -152,16 +218,7 @@ def gdn_recurrent_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, STRIDE_S_V: tl.constexpr,
     K_PAD: tl.constexpr, K_INNER: tl.constexpr, ROWS: tl.constexpr, ROW_LANES: tl.constexpr,
     GATES_PRECOMPUTED: tl.constexpr, USE_L2NORM: tl.constexpr, ALIGNED: tl.constexpr,
-    PREPARED: tl.constexpr, WAIT_FOR_PREPARE: tl.constexpr,
 ):
-    """Grid ``(cdiv(V, BV), HV, B)``. Writes ``out``, and by mode the records (verify), the row's
-    final state (decode) or a state per position (snapshot).
-
-    ``PREPARED``: read each token's ``k^``, ``q^``, ``k^ . q^``, gates from ``gdn_prepare_kernel``'s
-    buffer (``prepared_ptr``; ``q``, ``k``, the gate inputs are then not read); otherwise prepare
-    them here from ``q``, ``k``, ``a``, ``b`` with the same functions (gdn_prepare.py).
-    ``WAIT_FOR_PREPARE``: launched as a programmatic dependent of the preparation kernel (its
-    programs start while that kernel still runs; grid_dependency.py)."""
     i_v = tl.program_id(0)
     hv = tl.program_id(1)
     row = tl.program_id(2)
@@ -172,8 +229,10 @@ def gdn_recurrent_kernel(
     EXACT_V: tl.constexpr = V % BV == 0
     EXACT: tl.constexpr = EXACT_K and EXACT_V
 
-    k_hat_ptr, q_hat_ptr, k_dot_q_ptr, decay_in_ptr, beta_ptr = prepared_parts(prepared_ptr, num_tokens, H, HV, K_PAD)
-    start, end, length = row_window(qsl_ptr, row, num_tokens, max_window)
+    # The row's tokens, clamped so that no index value can take a load out of bounds.
+    start = tl.maximum(tl.load(qsl_ptr + row), 0)
+    end = tl.minimum(tl.load(qsl_ptr + row + 1), num_tokens)
+    length = tl.minimum(tl.maximum(end - start, 0), max_window)
     slot = tl.load(state_indices_ptr + row)
     live = (slot > null_slot) & (slot < num_slots)
 
@@ -181,38 +240,43 @@ def gdn_recurrent_kernel(
     chunk = tl.arange(0, K_CHUNKS)
     offs_v = i_v * BV + lane_v[:, None] * ROWS + tl.arange(0, ROWS)[None, :]          # [RL, R]
     mask_v = offs_v < V
-    offs_k = token_vector_offsets(ROW_LANES, K_INNER, K_CHUNKS)    # [RL, 1, KI, KC], broadcast over RL
+    offs_k = (tl.arange(0, K_INNER)[None, None, :, None] + chunk[None, None, None, :] * K_INNER
+              + 0 * lane_v[:, None, None, None])                # [RL, 1, KI, KC], broadcast over RL
     mask_k = offs_k < K
     # The state's row stride is a constexpr: the tile's offsets are then constants from one base
     # address rather than addresses held in registers across the token loop (the state is the one
     # tensor verify and decode share, so specializing on it keeps them one binary).
     tile = offs_v[:, :, None, None] * STRIDE_S_V + offs_k       # [RL, R, KI, KC]
     mask_tile = mask_v[:, :, None, None] & mask_k
+    q_head = h * stride_q_h
+    k_head = h * stride_k_h
     v_head = hv * stride_v_h
 
     if live:
         state_tile = state_ptr + slot.to(tl.int64) * stride_s_slot + hv * stride_s_h
         S = load_masked(state_tile + tile, mask_tile, EXACT).to(tl.float32)
-        if WAIT_FOR_PREPARE:   # launched before gdn_prepare_kernel finished: the state tile
-            gdc_wait()         # is on its way; the prepared values are read only after this
-        neg_A, dt_bias = head_gate_parameters(A_log_ptr, dt_bias_ptr, hv, GATES_PRECOMPUTED or PREPARED)
-        fetched = fetch_token(tl.minimum(start, num_tokens - 1), q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, k_hat_ptr,
-                              q_hat_ptr, k_dot_q_ptr, decay_in_ptr, beta_ptr, stride_q_t, stride_q_h, stride_k_t,
-                              stride_k_h, stride_v_t, v_head, stride_a_t, stride_b_t, h, hv, offs_k, mask_k,
-                              offs_v, mask_v, H, HV, K_PAD, ALIGNED, EXACT_K, EXACT_V, PREPARED)
+        if GATES_PRECOMPUTED:
+            neg_A = 0.0
+            dt_bias = 0.0
+        else:
+            neg_A = -tl.exp(tl.load(A_log_ptr + hv))
+            dt_bias = tl.load(dt_bias_ptr + hv)
+        fetched = fetch_token(tl.minimum(start, num_tokens - 1), q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
+                              stride_q_t, stride_k_t, stride_v_t, stride_a_t, stride_b_t, q_head, k_head,
+                              v_head, hv, offs_k, mask_k, offs_v, mask_v, ALIGNED, EXACT_K, EXACT_V)
         for t in range(0, length):
-            current = fetched
+            k_t, q_t, v_t, a_t, b_t = fetched
             # the next token's loads go out now (the last iteration fetches its own token again)
             fetched = fetch_token(start + tl.minimum(t + 1, length - 1), q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
-                                  k_hat_ptr, q_hat_ptr, k_dot_q_ptr, decay_in_ptr, beta_ptr, stride_q_t, stride_q_h,
-                                  stride_k_t, stride_k_h, stride_v_t, v_head, stride_a_t, stride_b_t, h, hv, offs_k,
-                                  mask_k, offs_v, mask_v, H, HV, K_PAD, ALIGNED, EXACT_K, EXACT_V, PREPARED)
-            k_hat, q_hat, k_dot_q, decay, beta, v_t = ready_token(current, neg_A, dt_bias, scale, GATES_PRECOMPUTED,
-                                                                  USE_L2NORM, PREPARED)
-            S, correction, o_t = delta_rule_step(S, k_hat, q_hat, k_dot_q, v_t.to(tl.float32), beta, decay)
+                                  stride_q_t, stride_k_t, stride_v_t, stride_a_t, stride_b_t, q_head, k_head,
+                                  v_head, hv, offs_k, mask_k, offs_v, mask_v, ALIGNED, EXACT_K, EXACT_V)
+            k_hat, q_hat, v_t, decay, beta = prepare_token(k_t, q_t, v_t, a_t, b_t, neg_A, dt_bias, scale,
+                                                           GATES_PRECOMPUTED, USE_L2NORM)
+
+            S, correction, o_t = delta_rule_step(S, k_hat, q_hat, v_t, beta, decay)
 
             tok = (start + t).to(tl.int64)
-            store_masked(along_rows(out_ptr + tok * stride_o_t + hv * stride_o_h + offs_v, ALIGNED),
+            store_masked(out_ptr + tok * stride_o_t + hv * stride_o_h + offs_v,
                          o_t.to(out_ptr.dtype.element_ty), mask_v, EXACT_V)
             if mode == MODE_VERIFY:  # replay records, by batch row and window position
                 rec = (row * HV + hv).to(tl.int64) * max_window + t

@@ -19,12 +19,10 @@ from .commit import grouped_commit_kernel, plan_commit_kernel
 from .conv import conv_verify_kernel
 from .direct_launch import DirectLauncher
 from .gdn import MODE_DECODE, MODE_SNAPSHOT, MODE_VERIFY, gdn_recurrent_kernel
-from .gdn_prepare import gdn_prepare_kernel
 
 MODES = {"verify": MODE_VERIFY.value, "decode": MODE_DECODE.value, "snapshot": MODE_SNAPSHOT.value}
 # The two launches on every speculative step (verify per layer, one commit for all layers) skip
 # Triton's per-call specialization work once compiled (see direct_launch.py).
-_PREPARE = DirectLauncher(gdn_prepare_kernel)
 _RECURRENCE = DirectLauncher(gdn_recurrent_kernel)
 _GROUPED_COMMIT = DirectLauncher(grouped_commit_kernel)
 INT32_MAX = 2**31 - 1
@@ -60,7 +58,7 @@ def _rows_aligned(t: torch.Tensor) -> bool:
 
 def _aligned_token_inputs(q, k, v, out):
     """Return ``(q, k, v, kernel_out, aligned)`` such that every call with the same shapes and
-    dtypes compiles to the same kernels: inputs whose rows are not 16-byte aligned are copied into
+    dtypes compiles to the same kernel: inputs whose rows are not 16-byte aligned are copied into
     packed tensors (small next to the state), and a misaligned ``out`` is written through a packed
     buffer. ``aligned`` is False only where packing cannot align rows (odd head sizes)."""
     q, k, v = (t if _rows_aligned(t) else t.contiguous() for t in (q, k, v))
@@ -74,33 +72,26 @@ MAX_LANES_K = 16
 
 class RecurrenceTile(NamedTuple):
     """The recurrence kernel's tile for one call: ``[row_lanes, rows, k_inner, k_pad / k_inner]``,
-    the register cap it compiles with, and whether its tokens come prepared by
-    ``gdn_prepare_kernel`` (otherwise the recurrence kernel prepares them itself)."""
+    and the register cap it compiles with."""
     k_pad: int
     k_inner: int
     rows: int
     row_lanes: int
     max_registers: Optional[int] = None
-    prepared: bool = True
 
     @property
     def block_v(self) -> int:
         return self.rows * self.row_lanes
 
 
-def recurrence_tile(cfg: LaunchConfig, K: int, V: int, heads_times_rows: Optional[int] = None,
-                    mode: str = "verify") -> RecurrenceTile:
+def recurrence_tile(cfg: LaunchConfig, K: int, V: int, heads_times_rows: Optional[int] = None) -> RecurrenceTile:
     """Fit the configured lanes along K and rows per thread to the problem: K is padded to a power
     of two (at least 4), 4 elements per lane along K (16-byte fp32 loads), and no more rows than V
     has. ``heads_times_rows`` (``HV x`` batch rows of the call) selects fewer rows per thread when
-    the grid would have fewer than ``cfg.gdn_small_grid_programs`` programs, and decides, with
-    ``mode``, whether the tokens come prepared by ``gdn_prepare_kernel`` (``cfg.gdn_prepared_modes``,
-    grids of at least ``cfg.gdn_prepare_min_programs`` programs) or are prepared inside the
-    recurrence kernel. The lanes along K, and with them every sum over K, stay the same: each
-    row's reductions over K are one chain of fused multiply-adds per thread in a fixed order, then
-    the same lanes (gdn.py), and a token's sums are taken by the same functions on the same tile
-    shape in either kernel (gdn_prepare.py), so the tile a batch gets never changes a bit (tested:
-    ``test_rows_per_thread_do_not_change_the_bits``, ``test_prepared_tokens_match_in_kernel_preparation``)."""
+    the grid would have fewer than ``cfg.gdn_small_grid_programs`` programs. The lanes along K, and
+    with them every row's arithmetic, stay the same: each row's reductions over K are one chain of
+    fused multiply-adds per thread in a fixed order, then the same lanes (gdn.py), so the rows a thread
+    holds never change a bit (tested: ``test_rows_per_thread_do_not_change_the_bits``)."""
     k_pad = max(4, _pow2(K))
     # At most 16 lanes along K, so a warp always has at least 2 row lanes: with all 32 lanes along
     # K (one row lane) the H200 build's committed state differed from native decode in the last
@@ -110,69 +101,31 @@ def recurrence_tile(cfg: LaunchConfig, K: int, V: int, heads_times_rows: Optiona
     row_lanes = (32 // lanes_k) * cfg.gdn_warps
     rows = max(1, min(cfg.gdn_rows, _pow2(V) // row_lanes))
     max_registers = cfg.gdn_max_registers
-    programs = None if heads_times_rows is None else triton.cdiv(V, rows * row_lanes) * heads_times_rows
-    if programs is not None and rows > cfg.gdn_small_grid_rows and programs < cfg.gdn_small_grid_programs:
+    if (heads_times_rows is not None and rows > cfg.gdn_small_grid_rows
+            and triton.cdiv(V, rows * row_lanes) * heads_times_rows < cfg.gdn_small_grid_programs):
         rows, max_registers = max(1, cfg.gdn_small_grid_rows), cfg.gdn_small_grid_max_registers
-    prepared = mode in cfg.gdn_prepared_modes and (programs is None or programs >= cfg.gdn_prepare_min_programs)
-    return RecurrenceTile(k_pad, k_inner, rows, row_lanes, max_registers, prepared)
+    return RecurrenceTile(k_pad, k_inner, rows, row_lanes, max_registers)
 
 
 def gdn_recurrent(cfg: LaunchConfig, mode: str, q, k, v, state, state_indices, query_start_loc,
                   gates: GateInputs, scale: float, use_qk_l2norm: bool, null_slot: int, out,
                   records, snapshot_slots) -> None:
-    T, H, K = q.shape
-    HV, V = v.shape[1], v.shape[2]
-    B = state_indices.shape[0]
-    if B == 0 or T == 0:
-        return
     q, k, v, kernel_out, aligned = _aligned_token_inputs(q, k, v, out)
-    tile = recurrence_tile(cfg, K, V, HV * B, mode)
-    # the recurrence kernel must follow the preparation directly (a programmatic dependent launch)
-    prepared = prepare_tokens(cfg, tile, q, k, gates, scale, use_qk_l2norm, HV, aligned) if tile.prepared else None
-    _launch_recurrent(cfg, tile, mode, q, k, v, prepared, state, state_indices, query_start_loc, gates, scale,
+    _launch_recurrent(cfg, mode, q, k, v, state, state_indices, query_start_loc, gates, scale,
                       use_qk_l2norm, null_slot, kernel_out, records, snapshot_slots, aligned)
     if kernel_out is not out:
         out.copy_(kernel_out)
 
 
-def _gate_tensors(gates: GateInputs):
-    """``(a, b, A_log, dt_bias)`` as the kernels take them (``g``, ``beta`` when precomputed; the
-    unused two then point anywhere valid)."""
-    if gates.precomputed:
-        return gates.g, gates.beta, gates.g, gates.g
-    return gates.a, gates.b, gates.A_log, gates.dt_bias
-
-
-def prepare_tokens(cfg: LaunchConfig, tile: RecurrenceTile, q, k, gates: GateInputs, scale: float,
-                   use_qk_l2norm: bool, HV: int, aligned: bool) -> torch.Tensor:
-    """Normalized keys and queries and the gates of every token of the call, in one launch: an
-    fp32 scratch buffer laid out as gdn_prepare.py describes."""
-    T, H, K = q.shape
-    prepared = torch.empty(T * (2 * H * tile.k_pad + H + 2 * HV), dtype=torch.float32, device=q.device)
-    a, b, A_log, dt_bias = _gate_tensors(gates)
-    _PREPARE(
-        (T, H),
-        (q, k, a, b, A_log, dt_bias, prepared,
-         q.stride(0), q.stride(1), k.stride(0), k.stride(1), a.stride(0), b.stride(0), T, scale),
-        dict(H=H, HV=HV, K=K, K_PAD=tile.k_pad, K_INNER=tile.k_inner, ROW_LANES=tile.row_lanes,
-             GATES_PRECOMPUTED=gates.precomputed, USE_L2NORM=bool(use_qk_l2norm), ALIGNED=aligned,
-             LET_DEPENDENT_START=_grid_dependency(cfg)),
-        cfg.options(cfg.gdn_warps))
-    return prepared
-
-
-def _grid_dependency(cfg: LaunchConfig) -> bool:
-    """Launch the recurrence kernel as a programmatic dependent of the preparation
-    (grid_dependency.py): where the backend asks for it, never under the interpreter."""
-    return cfg.grid_dependency and not interpreting()
-
-
-def _launch_recurrent(cfg: LaunchConfig, tile: RecurrenceTile, mode: str, q, k, v, prepared, state,
-                      state_indices, query_start_loc, gates: GateInputs, scale: float, use_qk_l2norm: bool,
-                      null_slot: int, out, records, snapshot_slots, aligned: bool) -> None:
+def _launch_recurrent(cfg: LaunchConfig, mode: str, q, k, v, state, state_indices, query_start_loc,
+                      gates: GateInputs, scale: float, use_qk_l2norm: bool, null_slot: int, out,
+                      records, snapshot_slots, aligned: bool) -> None:
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     B = state_indices.shape[0]
+    if B == 0 or T == 0:
+        return
+    tile = recurrence_tile(cfg, K, V, HV * B)
     if mode == "verify":
         corr, key, decay = records
         max_window = corr.shape[2]
@@ -180,20 +133,23 @@ def _launch_recurrent(cfg: LaunchConfig, tile: RecurrenceTile, mode: str, q, k, 
         corr = key = decay = out           # unused by these modes; any valid pointer will do
         max_window = snapshot_slots.shape[1] if mode == "snapshot" else INT32_MAX
     snap = snapshot_slots if snapshot_slots is not None else state_indices
-    a, b, A_log, dt_bias = _gate_tensors(gates)
-    wait = tile.prepared and _grid_dependency(cfg)
+    if gates.precomputed:
+        a, b, A_log, dt_bias = gates.g, gates.beta, gates.g, gates.g
+    else:
+        a, b, A_log, dt_bias = gates.a, gates.b, gates.A_log, gates.dt_bias
+    grid = (triton.cdiv(V, tile.block_v), HV, B)
     _RECURRENCE(
-        (triton.cdiv(V, tile.block_v), HV, B),
-        (q, k, v, a, b, A_log, dt_bias, prepared if tile.prepared else out, out, state, state_indices,
-         query_start_loc, corr, key, decay, snap,
+        grid,
+        (q, k, v, a, b, A_log, dt_bias, out, state, state_indices, query_start_loc,
+         corr, key, decay, snap,
          q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
          a.stride(0), b.stride(0), out.stride(0), out.stride(1),
          state.stride(0), state.stride(1), snap.stride(0),
          T, state.shape[0], null_slot, max_window, scale, MODES[mode]),
-        dict(H=H, HV=HV, K=K, V=V, STRIDE_S_V=state.stride(2), K_PAD=tile.k_pad, K_INNER=tile.k_inner,
-             ROWS=tile.rows, ROW_LANES=tile.row_lanes, GATES_PRECOMPUTED=gates.precomputed,
-             USE_L2NORM=bool(use_qk_l2norm), ALIGNED=aligned, PREPARED=tile.prepared, WAIT_FOR_PREPARE=wait),
-        cfg.options(cfg.gdn_warps, cfg.gdn_stages, tile.max_registers, launch_pdl=wait))
+        dict(H=H, HV=HV, K=K, V=V, STRIDE_S_V=state.stride(2), K_PAD=tile.k_pad, K_INNER=tile.k_inner, ROWS=tile.rows,
+             ROW_LANES=tile.row_lanes, GATES_PRECOMPUTED=gates.precomputed,
+             USE_L2NORM=bool(use_qk_l2norm), ALIGNED=aligned),
+        cfg.options(cfg.gdn_warps, cfg.gdn_stages, tile.max_registers))
 
 
 def plan_commit(cfg: LaunchConfig, num_accepted, state_indices, query_start_loc, request_indices,
