@@ -151,6 +151,7 @@ def grouped_commit_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     K_PAD: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, CONV_COLS: tl.constexpr,
     STATE_DTYPE: tl.constexpr, CONV_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
+    EARLY_SOURCE: tl.constexpr = False,
 ):
     item = tl.program_id(0)
     row = tl.program_id(1)
@@ -164,6 +165,22 @@ def grouped_commit_kernel(
     block_table = tl.load(gt + GROUP_BLOCK_TABLE)
     max_window = tl.load(lt + LAYER_MAX_WINDOW).to(tl.int32)
     num_slots = tl.load(lt + LAYER_NUM_SLOTS).to(tl.int32)
+    if EARLY_SOURCE:
+        # The source tile depends only on the row's source slot; the plan below is a chain of
+        # dependent loads (accepted count -> computed tokens -> block table). Requesting the
+        # tile's bytes first overlaps the two; it stays in its storage dtype (no instruction
+        # uses it) until the plan is known.
+        state_item = item < HV * V_TILES
+        offs_v = (item % V_TILES) * BV + tl.arange(0, BV)
+        offs_k = tl.arange(0, K_PAD)
+        VEC0: tl.constexpr = 128 // STATE_DTYPE.primitive_bitwidth
+        source = tl.load(tl.load(gt + GROUP_STATE_INDICES).to(tl.pointer_type(tl.int32)) + row)
+        source_ok = state_item & (source > null_slot) & (source < num_slots)
+        early_tile = tl.load(table_pointer(lt, LAYER_STATE, STATE_DTYPE, ALIGNED)
+                             + tl.where(source_ok, source, 0).to(tl.int64) * table_entry(lt, LAYER_STATE_SLOT_STRIDE, ALIGNED, VEC0)
+                             + (item // V_TILES) * table_entry(lt, LAYER_STATE_HEAD_STRIDE, ALIGNED, VEC0)
+                             + offs_v[:, None] * table_entry(lt, LAYER_STATE_V_STRIDE, ALIGNED, VEC0) + offs_k[None, :],
+                             mask=(offs_v < V)[:, None] & (offs_k < K)[None, :] & source_ok, other=0.0)
     n, src, final, boundary, boundary_len = plan_row(
         row, row >= 0, num_accepted_ptr, qsl_ptr,
         tl.load(gt + GROUP_STATE_INDICES).to(tl.pointer_type(tl.int32)),
@@ -195,7 +212,10 @@ def grouped_commit_kernel(
 
             # Read the source tile once, before anything is stored: the boundary (or final)
             # slot may be the source slot itself.
-            S = tl.load(state + src.to(tl.int64) * slot_stride + head + tile, mask=mask, other=0.0).to(tl.float32)
+            if EARLY_SOURCE:
+                S = early_tile.to(tl.float32)
+            else:
+                S = tl.load(state + src.to(tl.int64) * slot_stride + head + tile, mask=mask, other=0.0).to(tl.float32)
             S = replay_tokens(S, corr_row, key_row, decay_row, 0, boundary_len,
                               offs_v, mask_v, offs_k, mask_k, V, K)
             if boundary > null_slot:

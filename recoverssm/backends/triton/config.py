@@ -53,6 +53,7 @@ class LaunchConfig:
     commit_warps_bf16: Optional[int] = None
     commit_max_registers: Optional[int] = None
     commit_max_registers_bf16: Optional[int] = None
+    commit_early_source: bool = False
     conv_block: int = 128
     conv_warps: int = 4
     plan_block: int = 128

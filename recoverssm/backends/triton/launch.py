@@ -243,7 +243,7 @@ class TritonCommitter(Committer):
         self.constexprs = dict(H=self.H, HV=self.HV, K=self.K, V=self.V, K_PAD=_pow2(self.K), BV=block_v,
                                BD=cfg.conv_block, CONV_COLS=self.conv_cols,
                                STATE_DTYPE=_dtype(self.state_dtype), CONV_DTYPE=_dtype(self.conv_dtype),
-                               ALIGNED=self.aligned)
+                               ALIGNED=self.aligned, EARLY_SOURCE=cfg.commit_early_source)
         self.options = cfg.options(warps, max_registers=max_registers)
 
     def _upload(self, rows, shape, pointer_columns) -> torch.Tensor:
