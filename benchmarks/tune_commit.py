@@ -1,7 +1,8 @@
-"""Sweep the grouped commit kernel's tile (V rows per program), warps and register cap on a GPU.
+"""Sweep the grouped commit kernel's tile (V rows per program), warps, register cap and load order on a GPU.
 
     python benchmarks/tune_commit.py                           # V rows 16..128 x warps 1..8
     python benchmarks/tune_commit.py --grid 64x4,64x4x128      # rows x warps [x register cap]
+    python benchmarks/tune_commit.py --grid 32x2x128 --early 0,1   # source tile after / before the plan
 """
 import argparse
 import functools
@@ -33,7 +34,7 @@ def configs(grid):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--grid", help="comma-separated ROWSxWARPS[xMAXNREG] (0 = no cap)")
-    ap.add_argument("--early", default="0", help="commit_early_source values to sweep, e.g. 0,1")
+    ap.add_argument("--early", default="0", help="source tile before the plan (commit_early_source): 0, 1 or 0,1")
     args = ap.parse_args()
     early = [bool(int(x)) for x in args.early.split(",")]
     ceiling = CopyCeiling("cuda")
