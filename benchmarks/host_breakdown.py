@@ -9,7 +9,7 @@ import torch
 
 from recoverssm.backends.triton import launch
 from recoverssm.bench.problems import align_step, commit_context, window
-from recoverssm.bench.timing import host_us
+from recoverssm.bench.timing import host_times
 from recoverssm.core import api
 from recoverssm.core.backend import GroupStep
 from recoverssm.core.commit import _check_step_shapes
@@ -71,8 +71,12 @@ def main():
                  cfg, "verify", w.q, w.k, w.v, w.state, w.state_indices, w.query_start_loc, gates,
                  K ** -0.5, True, -1, out, rec, None, True)),
              ("torch.empty_like", lambda: torch.empty_like(w.v))]
+    def show(name, fn):
+        times = host_times(fn)
+        print(f"{name:48s} {times['wall_us']:8.2f} us wall {times['cpu_us']:8.2f} us CPU", flush=True)
+
     for name, fn in rows:
-        print(f"{name:40s} {host_us(fn):8.2f} us", flush=True)
+        show(name, fn)
     # The same two launches through Triton's own per-call path, for comparison in this run.
     print("direct launch enabled:", launch._RECURRENCE.enabled, launch._GROUPED_COMMIT.enabled,
           "compiled variants:", len(launch._RECURRENCE.compiled), len(launch._GROUPED_COMMIT.compiled))
@@ -80,7 +84,7 @@ def main():
         launcher.enabled = False
     for name, fn in rows:
         if "launch only" in name or "whole call" in name:
-            print(f"{name + ' (Triton path)':40s} {host_us(fn):8.2f} us", flush=True)
+            show(name + " (Triton path)", fn)
 
 
 if __name__ == "__main__":
