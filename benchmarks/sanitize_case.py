@@ -1,5 +1,6 @@
-"""One representative align-mode grouped commit (conv compaction included), one verify and one
-native decode, for
+"""One representative align-mode grouped commit (conv compaction included), the same commit of a
+bf16 state (whose source tile is requested before the plan) also with out-of-range slots, one
+verify and one native decode, for
 ``compute-sanitizer --tool memcheck`` and ``--tool racecheck`` (see docs/TESTING.md).
 
     compute-sanitizer --tool memcheck python benchmarks/sanitize_case.py
@@ -9,6 +10,7 @@ import torch
 
 import recoverssm as rs
 from recoverssm.bench.problems import align_step, window
+from recoverssm.core.backend import GroupStep
 
 
 def main() -> None:
@@ -29,10 +31,22 @@ def main() -> None:
     ctx.commit(step.num_accepted, step.state_indices, step.query_start_loc,
                block_table=step.block_table, num_computed_tokens=step.num_computed_tokens,
                block_size=step.block_size, check=True)
+    # bf16 pool: the source tile is loaded before the plan (commit_early_source_bf16); then the
+    # same step with one slot far out of range and one null, past the argument checks.
+    bf16_state = state.to(torch.bfloat16)
+    bf16_ctx = rs.CommitContext([[rs.LayerCache(bf16_state, w.records)]], max_batch=R)
+    bf16_ctx.commit(step.num_accepted, step.state_indices, step.query_start_loc,
+                    block_table=step.block_table, num_computed_tokens=step.num_computed_tokens,
+                    block_size=step.block_size, check=True)
+    bad = step.state_indices.clone()
+    bad[0], bad[1] = 10**6, -1
+    bf16_ctx._committer.commit(step.num_accepted, step.query_start_loc,
+                               [GroupStep(bad, None, step.block_table, step.num_computed_tokens, step.block_size)])
     rs.gdn_decode(w.q, w.k, w.v, state=state, state_indices=w.state_indices, query_start_loc=w.query_start_loc,
                   **w.gates())
     torch.cuda.synchronize()
-    print("sanitize case ran: conv_verify, gdn_verify, grouped align commit with conv compaction, gdn_decode")
+    print("sanitize case ran: conv_verify, gdn_verify, grouped align commit with conv compaction, "
+          "bf16 commits (one with out-of-range slots), gdn_decode")
 
 
 if __name__ == "__main__":
