@@ -1,6 +1,6 @@
 """One representative align-mode grouped commit (conv compaction included), the same commit of a
-bf16 state (whose source tile is requested before the plan) also with out-of-range slots, one
-verify and one native decode, for
+bf16 state (the bf16 commit tile), again with out-of-range slots, one verify and one native
+decode, for
 ``compute-sanitizer --tool memcheck`` and ``--tool racecheck`` (see docs/TESTING.md).
 
     compute-sanitizer --tool memcheck python benchmarks/sanitize_case.py
@@ -31,8 +31,8 @@ def main() -> None:
     ctx.commit(step.num_accepted, step.state_indices, step.query_start_loc,
                block_table=step.block_table, num_computed_tokens=step.num_computed_tokens,
                block_size=step.block_size, check=True)
-    # bf16 pool: the source tile is loaded before the plan (commit_early_source_bf16); then the
-    # same step with one slot far out of range and one null, past the argument checks.
+    # bf16 pool (its own commit tile); then the same step with one slot far out of range and one
+    # null, past the argument checks: nothing may be read or written for those rows.
     bf16_state = state.to(torch.bfloat16)
     bf16_ctx = rs.CommitContext([[rs.LayerCache(bf16_state, w.records)]], max_batch=R)
     bf16_ctx.commit(step.num_accepted, step.state_indices, step.query_start_loc,

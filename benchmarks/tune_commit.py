@@ -1,8 +1,7 @@
-"""Sweep the grouped commit kernel's tile (V rows per program), warps, register cap and load order on a GPU.
+"""Sweep the grouped commit kernel's tile (V rows per program), warps and register cap on a GPU.
 
     python benchmarks/tune_commit.py                           # V rows 16..128 x warps 1..8
     python benchmarks/tune_commit.py --grid 64x4,64x4x128      # rows x warps [x register cap]
-    python benchmarks/tune_commit.py --grid 32x2x128 --early 0,1   # source tile after / before the plan
 """
 import argparse
 import functools
@@ -34,9 +33,7 @@ def configs(grid):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--grid", help="comma-separated ROWSxWARPS[xMAXNREG] (0 = no cap)")
-    ap.add_argument("--early", default="0", help="source tile before the plan (commit_early_source): 0, 1 or 0,1")
     args = ap.parse_args()
-    early = [bool(int(x)) for x in args.early.split(",")]
     ceiling = CopyCeiling("cuda")
     cases = [("12L x 8req fp32", 1, 12, 8, torch.float32), ("3x6L x 64req bf16", 3, 6, 64, torch.bfloat16),
              ("3x6L x 8req bf16", 3, 6, 8, torch.bfloat16)]
@@ -49,12 +46,11 @@ def main():
         traffic = G * L * (state * (2 * R + step.boundaries) + accepted * (48 * V + H * K + 48) * 4)
         kw = dict(block_table=step.block_table, num_computed_tokens=step.num_computed_tokens,
                   block_size=step.block_size)
-        for (bv, warps, cap), e in ((c, x) for c in configs(args.grid) for x in early):
-            ctx._committer.set_config(LaunchConfig(commit_block_v=bv, commit_warps=warps, commit_max_registers=cap,
-                                                   commit_early_source=e))
+        for bv, warps, cap in configs(args.grid):
+            ctx._committer.set_config(LaunchConfig(commit_block_v=bv, commit_warps=warps, commit_max_registers=cap))
             us = median_us([functools.partial(ctx.commit, step.num_accepted, step.state_indices,
                                               step.query_start_loc, **kw)], iters=40)
-            row = dict(case=name, bv=bv, warps=warps, maxnreg=cap, early_source=e, us=round(us, 1),
+            row = dict(case=name, bv=bv, warps=warps, maxnreg=cap, us=round(us, 1),
                        vs_copy=round(ceiling.us(traffic) / us, 3))
             results.append(row)
             print(row, flush=True)

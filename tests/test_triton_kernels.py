@@ -249,45 +249,6 @@ def test_align_commit_matches_reference(s, state_dtype):
     assert torch.equal(gpu_state[untouched], p.state[untouched])
 
 
-@pytest.mark.parametrize("s", SETTINGS)
-@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_commit_load_order_does_not_change_the_bits(s, state_dtype):
-    """The source tile requested before the commit plan (``commit_early_source``) or after it,
-    for both state dtypes: the same bits as cpu_ref's commit, in align mode (a boundary block
-    that is the source itself, a null final block) with rows whose source slot is null or out
-    of range (never read, never written)."""
-    from dataclasses import replace
-
-    from recoverssm.backends.triton.launch import LaunchConfig
-    from recoverssm.core.backend import GroupStep
-
-    lens = [4, 4, 4, 4, 4, 4, 4]
-    p = make_problem(lens, T=4, state_dtype=state_dtype, num_slots=16, **dims(s))
-    align, accepted, sources = align_case(p.q.device, 16)
-    accepted = torch.cat([accepted, torch.tensor([3, 2], dtype=torch.int32, device=p.q.device)])
-    p.state_indices = torch.tensor(sources + [-1, -1], dtype=torch.int32, device=p.q.device)
-    align["block_table"] = torch.cat([align["block_table"], torch.tensor([[14, 15, -1, -1], [0, 15, -1, -1]],
-                                                                       dtype=torch.int32, device=p.q.device)])
-    align["num_computed_tokens"] = torch.cat([align["num_computed_tokens"],
-                                              torch.tensor([1, 1], dtype=torch.int32, device=p.q.device)])
-    _, rec = verify(p, "cuda")
-    cpu_state, cpu_rec = to_cpu(p.state.clone(), rec)
-    ref = rs.CommitContext([[rs.LayerCache(cpu_state, cpu_rec)]], max_batch=rec.max_batch, backend="cpu_ref")
-    ref.commit(accepted.cpu(), p.state_indices.cpu(), p.query_start_loc.cpu(),
-               **{k: (v.cpu() if torch.is_tensor(v) else v) for k, v in align.items()})
-    out_of_range = p.state_indices.clone()
-    out_of_range[-1] = 99            # the kernel must treat it as null
-    for early in (False, True):
-        state = p.state.clone()
-        ctx = rs.CommitContext([[rs.LayerCache(state, rec)]], max_batch=rec.max_batch, backend="cuda")
-        ctx._committer.set_config(replace(LaunchConfig(), commit_early_source=early, commit_early_source_bf16=early))
-        ctx._committer.commit(accepted, p.query_start_loc,      # past the argument checks
-                              [GroupStep(out_of_range, None, align["block_table"], align["num_computed_tokens"],
-                                         align["block_size"])])
-        assert torch.equal(state.cpu(), cpu_state), early
-        assert torch.equal(state[[14, 15]], p.state[[14, 15]]), early
-
-
 def conv_problem(device, lens, dim=24, width=4, T=4, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
     total = sum(lens)

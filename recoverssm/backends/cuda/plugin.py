@@ -19,11 +19,8 @@ class CudaBackend(TritonBackend):
         # A grid of fewer than 792 programs (N <= 4 at HV = 48) takes 4 rows per thread, capped to
         # fit 12 warps per SM: twice the programs still fit one wave (132 SMs x 12 / 2). Larger
         # grids keep 8 rows: at N = 8 the small tile needed a second wave (docs/BENCHMARKS.md).
-        # bf16 commits: 32 V rows x 2 warps, the source tile requested before the commit plan,
-        # 128 registers (8 programs per SM); fp32 keeps 32 x 1 with the tile loaded after the plan.
         None: LaunchConfig(gdn_small_grid_programs=792, gdn_small_grid_rows=4, gdn_small_grid_max_registers=168,
-                           commit_block_v_bf16=32, commit_warps_bf16=2, commit_max_registers_bf16=128,
-                           commit_early_source_bf16=True),
+                           commit_block_v_bf16=64, commit_warps_bf16=4),
     }
 
     def device_present(self) -> bool:

@@ -127,22 +127,6 @@ def load_record(corr_row, key_row, decay_row, t, valid, offs_v, mask_v, offs_k, 
 
 
 @triton.jit
-def state_tile(lt, item, V_TILES: tl.constexpr, BV: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
-               K_PAD: tl.constexpr, STATE_DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
-    """Work item ``item``'s state tile in the layer of table row ``lt``: ``(head, slot_stride,
-    tile, mask)``, with ``head + slot * slot_stride + tile`` the ``[BV, K_PAD]`` addresses in
-    ``slot``."""
-    VEC: tl.constexpr = 128 // STATE_DTYPE.primitive_bitwidth  # elements per 16 bytes
-    offs_v = (item % V_TILES) * BV + tl.arange(0, BV)
-    offs_k = tl.arange(0, K_PAD)
-    head = (table_pointer(lt, LAYER_STATE, STATE_DTYPE, ALIGNED)
-            + (item // V_TILES) * table_entry(lt, LAYER_STATE_HEAD_STRIDE, ALIGNED, VEC))
-    tile = offs_v[:, None] * table_entry(lt, LAYER_STATE_V_STRIDE, ALIGNED, VEC) + offs_k[None, :]
-    mask = (offs_v < V)[:, None] & (offs_k < K)[None, :]
-    return head, table_entry(lt, LAYER_STATE_SLOT_STRIDE, ALIGNED, VEC), tile, mask
-
-
-@triton.jit
 def replay_tokens(S, corr_row, key_row, decay_row, first, last, offs_v, mask_v, offs_k, mask_k,
                   V: tl.constexpr, K: tl.constexpr):
     """``S = fma(c_t, k^_t, S * d_t)`` for window positions ``first <= t < last`` (``[BV, K_PAD]`` tile).
@@ -167,7 +151,6 @@ def grouped_commit_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     K_PAD: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, CONV_COLS: tl.constexpr,
     STATE_DTYPE: tl.constexpr, CONV_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
-    EARLY_SOURCE: tl.constexpr,
 ):
     item = tl.program_id(0)
     row = tl.program_id(1)
@@ -181,17 +164,6 @@ def grouped_commit_kernel(
     block_table = tl.load(gt + GROUP_BLOCK_TABLE)
     max_window = tl.load(lt + LAYER_MAX_WINDOW).to(tl.int32)
     num_slots = tl.load(lt + LAYER_NUM_SLOTS).to(tl.int32)
-    if EARLY_SOURCE:
-        # The source tile depends only on the row's source slot, while the plan below is a
-        # chain of dependent loads (accepted count -> computed tokens -> block table): requested
-        # first, the tile's bytes are in flight during the chain. It stays in its storage dtype
-        # (no instruction touches it) until the plan is known; the register cap keeps the
-        # programs per SM (docs/BENCHMARKS.md).
-        source = tl.load(tl.load(gt + GROUP_STATE_INDICES).to(tl.pointer_type(tl.int32)) + row)
-        source_ok = (item < HV * V_TILES) & (source > null_slot) & (source < num_slots)
-        head, slot_stride, tile, mask = state_tile(lt, item, V_TILES, BV, V, K, K_PAD, STATE_DTYPE, ALIGNED)
-        early_tile = tl.load(head + tl.where(source_ok, source, 0).to(tl.int64) * slot_stride + tile,
-                             mask=tl.where(source_ok, mask, False), other=0.0)
     n, src, final, boundary, boundary_len = plan_row(
         row, row >= 0, num_accepted_ptr, qsl_ptr,
         tl.load(gt + GROUP_STATE_INDICES).to(tl.pointer_type(tl.int32)),
@@ -211,25 +183,26 @@ def grouped_commit_kernel(
             mask_v = offs_v < V
             offs_k = tl.arange(0, K_PAD)
             mask_k = offs_k < K
-            if not EARLY_SOURCE:
-                head, slot_stride, tile, mask = state_tile(lt, item, V_TILES, BV, V, K, K_PAD, STATE_DTYPE, ALIGNED)
+            VEC: tl.constexpr = 128 // STATE_DTYPE.primitive_bitwidth  # elements per 16 bytes
+            state = table_pointer(lt, LAYER_STATE, STATE_DTYPE, ALIGNED)
+            slot_stride = table_entry(lt, LAYER_STATE_SLOT_STRIDE, ALIGNED, VEC)
+            head = hv * table_entry(lt, LAYER_STATE_HEAD_STRIDE, ALIGNED, VEC)
+            tile = offs_v[:, None] * table_entry(lt, LAYER_STATE_V_STRIDE, ALIGNED, VEC) + offs_k[None, :]
+            mask = mask_v[:, None] & mask_k[None, :]
             corr_row = table_pointer(lt, LAYER_CORRECTION, tl.float32, ALIGNED) + (row * HV + hv).to(tl.int64) * max_window * V
             key_row = table_pointer(lt, LAYER_KEY, tl.float32, ALIGNED) + (row * H + h).to(tl.int64) * max_window * K
             decay_row = table_pointer(lt, LAYER_DECAY, tl.float32, False) + (row * HV + hv).to(tl.int64) * max_window
 
             # Read the source tile once, before anything is stored: the boundary (or final)
             # slot may be the source slot itself.
-            if EARLY_SOURCE:
-                S = early_tile.to(tl.float32)
-            else:
-                S = tl.load(head + src.to(tl.int64) * slot_stride + tile, mask=mask, other=0.0).to(tl.float32)
+            S = tl.load(state + src.to(tl.int64) * slot_stride + head + tile, mask=mask, other=0.0).to(tl.float32)
             S = replay_tokens(S, corr_row, key_row, decay_row, 0, boundary_len,
                               offs_v, mask_v, offs_k, mask_k, V, K)
             if boundary > null_slot:
-                tl.store(head + boundary.to(tl.int64) * slot_stride + tile, to_storage(S, STATE_DTYPE), mask=mask)
+                tl.store(state + boundary.to(tl.int64) * slot_stride + head + tile, to_storage(S, STATE_DTYPE), mask=mask)
             S = replay_tokens(S, corr_row, key_row, decay_row, boundary_len, n,
                               offs_v, mask_v, offs_k, mask_k, V, K)
-            tl.store(head + final.to(tl.int64) * slot_stride + tile, to_storage(S, STATE_DTYPE), mask=mask)
+            tl.store(state + final.to(tl.int64) * slot_stride + head + tile, to_storage(S, STATE_DTYPE), mask=mask)
         else:
             conv = tl.load(lt + LAYER_CONV)
             conv_dim = tl.load(lt + LAYER_CONV_DIM)

@@ -8,15 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import NamedTuple, Optional
-
-
-class CommitTile(NamedTuple):
-    """The grouped commit kernel's launch for one state dtype."""
-    block_v: int
-    warps: int
-    max_registers: Optional[int]
-    early_source: bool
+from typing import Optional
 
 
 def interpreting() -> bool:
@@ -43,10 +35,7 @@ class LaunchConfig:
     bytes per row: the replay's arithmetic, not memory, decides the best tile; the commit is
     element-wise, so its tile never changes a bit); ``commit_max_registers``,
     ``commit_max_registers_bf16``: register caps for the commit (more programs per SM keep more
-    state bytes in flight); ``commit_early_source``, ``commit_early_source_bf16``: request the
-    source tile before the commit plan's chain of dependent loads rather than after it (it is then
-    held, still in its storage dtype, while the chain runs: more registers, which the cap must
-    give back); ``conv_block``: channels per conv program.
+    state bytes in flight); ``conv_block``: channels per conv program.
     ``compile_options``: extra options for every launch (e.g. ``grf_mode`` on Intel GPUs).
     """
 
@@ -64,21 +53,17 @@ class LaunchConfig:
     commit_warps_bf16: Optional[int] = None
     commit_max_registers: Optional[int] = None
     commit_max_registers_bf16: Optional[int] = None
-    commit_early_source: bool = False
-    commit_early_source_bf16: Optional[bool] = None
     conv_block: int = 128
     conv_warps: int = 4
     plan_block: int = 128
     compile_options: dict = field(default_factory=dict)
 
-    def commit_tile(self, bf16_state: bool) -> CommitTile:
-        """The commit kernel's tile, warps, register cap and load order for the state dtype."""
+    def commit_tile(self, bf16_state: bool) -> tuple[int, int, Optional[int]]:
+        """``(V rows per program, warps, register cap)`` of the commit kernel for the state dtype."""
         if bf16_state:
-            early = self.commit_early_source_bf16
-            return CommitTile(self.commit_block_v_bf16 or self.commit_block_v, self.commit_warps_bf16 or self.commit_warps,
-                              self.commit_max_registers_bf16 or self.commit_max_registers,
-                              self.commit_early_source if early is None else early)
-        return CommitTile(self.commit_block_v, self.commit_warps, self.commit_max_registers, self.commit_early_source)
+            return (self.commit_block_v_bf16 or self.commit_block_v, self.commit_warps_bf16 or self.commit_warps,
+                    self.commit_max_registers_bf16 or self.commit_max_registers)
+        return self.commit_block_v, self.commit_warps, self.commit_max_registers
 
     def options(self, num_warps: int, num_stages: Optional[int] = None,
                 max_registers: Optional[int] = None) -> dict:
