@@ -33,9 +33,7 @@ def configs(grid):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--grid", help="comma-separated ROWSxWARPS[xMAXNREG] (0 = no cap)")
-    ap.add_argument("--stages", default="3", help="record-loop stages to sweep, e.g. 1,2,3")
     args = ap.parse_args()
-    stages = [int(x) for x in args.stages.split(",")]
     ceiling = CopyCeiling("cuda")
     cases = [("12L x 8req fp32", 1, 12, 8, torch.float32), ("3x6L x 64req bf16", 3, 6, 64, torch.bfloat16),
              ("3x6L x 8req bf16", 3, 6, 8, torch.bfloat16)]
@@ -48,12 +46,11 @@ def main():
         traffic = G * L * (state * (2 * R + step.boundaries) + accepted * (48 * V + H * K + 48) * 4)
         kw = dict(block_table=step.block_table, num_computed_tokens=step.num_computed_tokens,
                   block_size=step.block_size)
-        for (bv, warps, cap), stage in ((c, st) for c in configs(args.grid) for st in stages):
-            ctx._committer.set_config(LaunchConfig(commit_block_v=bv, commit_warps=warps, commit_max_registers=cap,
-                                                   commit_stages=stage))
+        for bv, warps, cap in configs(args.grid):
+            ctx._committer.set_config(LaunchConfig(commit_block_v=bv, commit_warps=warps, commit_max_registers=cap))
             us = median_us([functools.partial(ctx.commit, step.num_accepted, step.state_indices,
                                               step.query_start_loc, **kw)], iters=40)
-            row = dict(case=name, bv=bv, warps=warps, maxnreg=cap, stages=stage, us=round(us, 1),
+            row = dict(case=name, bv=bv, warps=warps, maxnreg=cap, us=round(us, 1),
                        vs_copy=round(ceiling.us(traffic) / us, 3))
             results.append(row)
             print(row, flush=True)

@@ -44,7 +44,6 @@ def main():
     ap.add_argument("--ncu-case", action="store_true")
     ap.add_argument("--grid", help="configurations to sweep, e.g. 8x4,8x4x128 "
                     "(lanes_k x rows [x register cap, 0: none])")
-    ap.add_argument("--stages", default=None, help="token-loop stages to sweep, e.g. 1,2,3 (default: the table's)")
     args = ap.parse_args()
     if args.ncu_case:
         w = window(64, 4, H, 48, K, V)
@@ -75,11 +74,10 @@ def main():
         grid = grid[:3]
     # the cuda backend's table row (small-grid rule included) with the swept fields replaced
     base = CudaBackend.launch_table[None]
-    stages = [int(s) for s in args.stages.split(",")] if args.stages else [base.gdn_stages]
     results = []
-    for (lanes_k, rows, max_registers), stage in ((g, s) for g in grid for s in stages):
-        cfg = replace(base, gdn_lanes_k=lanes_k, gdn_rows=rows, gdn_max_registers=max_registers, gdn_stages=stage)
-        row = dict(lanes_k=lanes_k, rows=rows, max_registers=max_registers, stages=stage)
+    for lanes_k, rows, max_registers in grid:
+        cfg = replace(base, gdn_lanes_k=lanes_k, gdn_rows=rows, gdn_max_registers=max_registers)
+        row = dict(lanes_k=lanes_k, rows=rows, max_registers=max_registers)
         try:
             for N, T, HV, mode in shapes:
                 ws = wins[(N, T, HV)]

@@ -116,29 +116,31 @@ def table_pointer(table_row, column, DTYPE: tl.constexpr, ALIGNED: tl.constexpr)
 
 
 @triton.jit
-def load_record(corr_row, key_row, decay_row, t, offs_v, mask_v, offs_k, mask_k,
+def load_record(corr_row, key_row, decay_row, t, valid, offs_v, mask_v, offs_k, mask_k,
                 V: tl.constexpr, K: tl.constexpr):
-    """Window position ``t``'s replay record."""
-    correction = tl.load(corr_row + t * V + offs_v, mask=mask_v, other=0.0)
-    k_hat = tl.load(key_row + t * K + offs_k, mask=mask_k, other=0.0)
-    decay = tl.load(decay_row + t)
+    """Window position ``t``'s replay record; where not ``valid``, nothing past position 0 is read
+    (the values are then unused)."""
+    correction = tl.load(corr_row + t * V + offs_v, mask=tl.where(valid, mask_v, False), other=0.0)
+    k_hat = tl.load(key_row + t * K + offs_k, mask=tl.where(valid, mask_k, False), other=0.0)
+    decay = tl.load(decay_row + tl.where(valid, t, 0))
     return correction, k_hat, decay
 
 
 @triton.jit
 def replay_tokens(S, corr_row, key_row, decay_row, first, last, offs_v, mask_v, offs_k, mask_k,
-                  V: tl.constexpr, K: tl.constexpr, STAGES: tl.constexpr):
+                  V: tl.constexpr, K: tl.constexpr):
     """``S = fma(c_t, k^_t, S * d_t)`` for window positions ``first <= t < last`` (``[BV, K_PAD]`` tile).
 
-    Triton's loop pipeliner copies the records of the next ``STAGES - 1`` positions into shared
-    memory (asynchronous copies) while the current one is applied: otherwise every token waits a
-    full memory latency for its few hundred bytes, which is what bounds the bf16 commit (half
-    the state bytes per tile, the same chain of record loads). The copies live in shared memory,
-    not in registers, so prefetching costs no occupancy."""
-    for t in tl.range(first, last, num_stages=STAGES):
-        correction, k_hat, decay = load_record(corr_row, key_row, decay_row, t,
-                                               offs_v, mask_v, offs_k, mask_k, V, K)
+    The next position's record is loaded while the current one is applied: otherwise every
+    token waits a full memory latency for its few hundred bytes, which is what bounded the bf16
+    commit (half the state bytes per tile, the same chain of record loads)."""
+    correction, k_hat, decay = load_record(corr_row, key_row, decay_row, first, first < last,
+                                           offs_v, mask_v, offs_k, mask_k, V, K)
+    for t in range(first, last):
+        next_correction, next_k_hat, next_decay = load_record(
+            corr_row, key_row, decay_row, t + 1, t + 1 < last, offs_v, mask_v, offs_k, mask_k, V, K)
         S = tl.fma(correction[:, None], k_hat[None, :], S * decay)
+        correction, k_hat, decay = next_correction, next_k_hat, next_decay
     return S
 
 
@@ -148,7 +150,7 @@ def grouped_commit_kernel(
     num_requests, null_slot,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     K_PAD: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, CONV_COLS: tl.constexpr,
-    STATE_DTYPE: tl.constexpr, CONV_DTYPE: tl.constexpr, ALIGNED: tl.constexpr, RECORD_STAGES: tl.constexpr,
+    STATE_DTYPE: tl.constexpr, CONV_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     item = tl.program_id(0)
     row = tl.program_id(1)
@@ -195,11 +197,11 @@ def grouped_commit_kernel(
             # slot may be the source slot itself.
             S = tl.load(state + src.to(tl.int64) * slot_stride + head + tile, mask=mask, other=0.0).to(tl.float32)
             S = replay_tokens(S, corr_row, key_row, decay_row, 0, boundary_len,
-                              offs_v, mask_v, offs_k, mask_k, V, K, RECORD_STAGES)
+                              offs_v, mask_v, offs_k, mask_k, V, K)
             if boundary > null_slot:
                 tl.store(state + boundary.to(tl.int64) * slot_stride + head + tile, to_storage(S, STATE_DTYPE), mask=mask)
             S = replay_tokens(S, corr_row, key_row, decay_row, boundary_len, n,
-                              offs_v, mask_v, offs_k, mask_k, V, K, RECORD_STAGES)
+                              offs_v, mask_v, offs_k, mask_k, V, K)
             tl.store(state + final.to(tl.int64) * slot_stride + head + tile, to_storage(S, STATE_DTYPE), mask=mask)
         else:
             conv = tl.load(lt + LAYER_CONV)

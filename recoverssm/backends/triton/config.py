@@ -22,8 +22,6 @@ class LaunchConfig:
 
     ``gdn_lanes_k``: lanes of a warp along K in the recurrence tile (the rest go along V; at most
     16 are used, ``launch.MAX_LANES_K``);
-    ``gdn_stages``: tokens in flight in the recurrence's token loop (Triton's loop pipeliner
-    fetches a token's inputs ``gdn_stages - 1`` tokens ahead into shared memory; 1: no prefetch);
     ``gdn_rows``: V rows each thread holds (a program covers ``gdn_rows * 32 / gdn_lanes_k`` rows
     per warp); ``gdn_max_registers``: a register cap per thread for the recurrence (Triton's
     ``maxnreg``; without one the compiler takes more than the kernel needs, at the cost of
@@ -37,15 +35,14 @@ class LaunchConfig:
     bytes per row: the replay's arithmetic, not memory, decides the best tile; the commit is
     element-wise, so its tile never changes a bit); ``commit_max_registers``,
     ``commit_max_registers_bf16``: register caps for the commit (more programs per SM keep more
-    state bytes in flight); ``commit_stages``: replay records in flight in the commit's token
-    loop (fetched ``commit_stages - 1`` tokens ahead into shared memory); ``conv_block``: channels per conv program.
+    state bytes in flight); ``conv_block``: channels per conv program.
     ``compile_options``: extra options for every launch (e.g. ``grf_mode`` on Intel GPUs).
     """
 
     gdn_lanes_k: int = 8
     gdn_rows: int = 8
     gdn_warps: int = 1
-    gdn_stages: int = 2
+    gdn_stages: Optional[int] = None
     gdn_max_registers: Optional[int] = None
     gdn_small_grid_programs: int = 0
     gdn_small_grid_rows: int = 4
@@ -56,7 +53,6 @@ class LaunchConfig:
     commit_warps_bf16: Optional[int] = None
     commit_max_registers: Optional[int] = None
     commit_max_registers_bf16: Optional[int] = None
-    commit_stages: int = 3
     conv_block: int = 128
     conv_warps: int = 4
     plan_block: int = 128
@@ -69,12 +65,15 @@ class LaunchConfig:
                     self.commit_max_registers_bf16 or self.commit_max_registers)
         return self.commit_block_v, self.commit_warps, self.commit_max_registers
 
-    def options(self, num_warps: int, max_registers: Optional[int] = None) -> dict:
+    def options(self, num_warps: int, num_stages: Optional[int] = None,
+                max_registers: Optional[int] = None) -> dict:
         # enable_fp_fusion=False: no multiply-add is contracted behind our back; every fused
         # multiply-add of the contract is an explicit tl.fma. Bit-identity depends on it: with
         # contraction on, verify and decode of one compiled recurrence kernel disagreed on the
         # H200 (the compiler may contract differently in the code it specializes per mode).
         opts = dict(num_warps=num_warps, enable_fp_fusion=False, **self.compile_options)
+        if num_stages is not None:
+            opts["num_stages"] = num_stages
         if max_registers is not None:
             opts["maxnreg"] = max_registers
         return opts

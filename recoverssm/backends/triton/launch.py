@@ -148,8 +148,8 @@ def _launch_recurrent(cfg: LaunchConfig, mode: str, q, k, v, state, state_indice
          T, state.shape[0], null_slot, max_window, scale, MODES[mode]),
         dict(H=H, HV=HV, K=K, V=V, STRIDE_S_V=state.stride(2), K_PAD=tile.k_pad, K_INNER=tile.k_inner, ROWS=tile.rows,
              ROW_LANES=tile.row_lanes, GATES_PRECOMPUTED=gates.precomputed,
-             USE_L2NORM=bool(use_qk_l2norm), ALIGNED=aligned, TOKEN_STAGES=cfg.gdn_stages),
-        cfg.options(cfg.gdn_warps, tile.max_registers))
+             USE_L2NORM=bool(use_qk_l2norm), ALIGNED=aligned),
+        cfg.options(cfg.gdn_warps, cfg.gdn_stages, tile.max_registers))
 
 
 def plan_commit(cfg: LaunchConfig, num_accepted, state_indices, query_start_loc, request_indices,
@@ -243,7 +243,7 @@ class TritonCommitter(Committer):
         self.constexprs = dict(H=self.H, HV=self.HV, K=self.K, V=self.V, K_PAD=_pow2(self.K), BV=block_v,
                                BD=cfg.conv_block, CONV_COLS=self.conv_cols,
                                STATE_DTYPE=_dtype(self.state_dtype), CONV_DTYPE=_dtype(self.conv_dtype),
-                               ALIGNED=self.aligned, RECORD_STAGES=cfg.commit_stages)
+                               ALIGNED=self.aligned)
         self.options = cfg.options(warps, max_registers=max_registers)
 
     def _upload(self, rows, shape, pointer_columns) -> torch.Tensor:
