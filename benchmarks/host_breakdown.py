@@ -2,8 +2,8 @@
 
     python benchmarks/host_breakdown.py
 
-Each line is the median host time (us) of calling only that piece; the pieces of one call add up
-to roughly the whole. Complements benchmarks/host_profile.py (cProfile inflates Python-heavy code).
+Each line is the median host time (us) of calling only that piece, as wall time and as the
+thread's CPU time; the pieces of one call add up to roughly the whole. Complements benchmarks/host_profile.py (cProfile inflates Python-heavy code).
 """
 import torch
 

@@ -22,7 +22,7 @@ def median_us(calls: Sequence[Callable[[], object]], warmup: int = 5, iters: int
 
     With ``graph`` (the default) the calls are captured back to back in one CUDA graph and each
     replay is timed and divided by the calls in it: that measures the kernels, not the Python
-    that launches them (host time is measured separately, :func:`host_us`). A call that cannot be
+    that launches them (host time is measured separately, :func:`host_times`). A call that cannot be
     captured falls back to per-call event timing.
     """
     if graph:
@@ -92,11 +92,6 @@ class CopyCeiling:
 
     def tbps(self, traffic_bytes: int) -> float:
         return traffic_bytes / self.us(traffic_bytes) / 1e6
-
-
-def host_us(call: Callable[[], object], iters: int = 200) -> float:
-    """Median wall time of one call on the host: Python, validation and launch, not device time."""
-    return host_times(call, iters)["wall_us"]
 
 
 def host_times(call: Callable[[], object], iters: int = 200) -> dict:
