@@ -8,11 +8,11 @@ thread's CPU time; the pieces of one call add up to roughly the whole. Complemen
 import torch
 
 from recoverssm.backends.triton import launch
-from recoverssm.bench.problems import align_step, commit_context, window
+from recoverssm.bench.problems import align_step, commit_context, per_group_indices, window
 from recoverssm.bench.timing import host_times
 from recoverssm.core import api
 from recoverssm.core.backend import GroupStep
-from recoverssm.core.commit import _check_step_shapes
+from recoverssm.core.commit import _check_step_shapes, _signature
 from recoverssm.core.validation import Checker
 
 H, K, V = 16, 128, 128
@@ -27,25 +27,38 @@ def main():
     T, R = 4, 8
     step = align_step(R, T)
     ctx, _ = commit_context(3, 6, R, T, H, 48, K, V, step.num_slots)
-    kw = dict(block_table=[step.block_table] * 3, num_computed_tokens=[step.num_computed_tokens] * 3,
-              block_size=step.block_size)
-    groups = [GroupStep(step.state_indices, None, step.block_table, step.num_computed_tokens, step.block_size)] * 3
+    kw = per_group_indices(step, 3)
+    groups = [GroupStep(kw["state_indices"][gi], None, kw["block_table"][gi], kw["num_computed_tokens"][gi],
+                        step.block_size) for gi in range(3)]
     c = Checker("commit", ctx.device)
     committer = ctx._committer
-    table = committer._group_table_for(groups)
 
     def checks():
-        for gi in range(3):
-            _check_step_shapes(c, step.num_accepted, step.state_indices, step.query_start_loc, None,
-                               step.block_table, step.num_computed_tokens, step.block_size, f"[{gi}]")
+        for gi, g in enumerate(groups):
+            _check_step_shapes(c, step.num_accepted, g.state_indices, step.query_start_loc, None,
+                               g.block_table, g.num_computed_tokens, step.block_size, f"[{gi}]")
 
-    rows = [("commit: whole call", lambda: ctx.commit(step.num_accepted, [step.state_indices] * 3,
-                                                      step.query_start_loc, **kw)),
-            ("commit: shape checks (3 groups)", checks),
-            ("commit: committer.commit", lambda: committer.commit(step.num_accepted, step.query_start_loc, groups)),
+    def whole_call():
+        ctx.commit(step.num_accepted, query_start_loc=step.query_start_loc, **kw)
+
+    whole_call()
+    whole_call()        # the second call with the same tensors binds the repeated launch
+    same = (step.num_accepted, kw["state_indices"], step.query_start_loc, None, kw["block_table"],
+            kw["num_computed_tokens"], step.block_size)
+    launch_args = committer._launch_args(step.num_accepted, step.query_start_loc, groups, R)
+    bound = launch._GROUPED_COMMIT.bind(*launch_args)
+    if bound is None:
+        raise SystemExit("host_breakdown.py needs the direct launch path (a CUDA GPU, no TRITON_INTERPRET)")
+    rows = [("commit: whole call", whole_call),
+            ("commit: signature of the step", lambda: _signature(*same)),
+            ("commit: committer.commit_again", lambda: committer.commit_again(
+                step.num_accepted, step.query_start_loc, ctx._last_steps)),
+            ("commit: shape checks (3 groups; first call only)", checks),
+            ("commit: committer.commit (unbound launch)", lambda: committer.commit(step.num_accepted, step.query_start_loc, groups)),
             ("commit: group table lookup", lambda: committer._group_table_for(groups)),
             ("commit: device guard", lambda: _enter_exit(committer.device_guard(committer.device))),
-            ("commit: kernel launch only", lambda: committer._launch(step.num_accepted, step.query_start_loc, table, R))]
+            ("commit: kernel launch only", lambda: launch._GROUPED_COMMIT(*launch_args)),
+            ("commit: bound launch only", bound)]
     w = window(R, T, H, 48, K, V)
     be = api._resolve("cuda", w.q.device)
     out = torch.empty_like(w.v)
@@ -83,7 +96,7 @@ def main():
     for launcher in (launch._RECURRENCE, launch._GROUPED_COMMIT):
         launcher.enabled = False
     for name, fn in rows:
-        if "launch only" in name or "whole call" in name:
+        if name in ("commit: kernel launch only", "verify: kernel launch only") or "whole call" in name:
             show(name + " (Triton path)", fn)
 
 

@@ -319,6 +319,38 @@ def test_grouped_commit_equals_per_layer(s):
 
 
 @pytest.mark.parametrize("s", SETTINGS)
+def test_steps_with_persistent_index_buffers(s):
+    """An engine's loop: the same index tensors every step, their values rewritten in place (as
+    under CUDA graphs). From the second such step on, the commit repeats a launch bound to those
+    tensors (GPU only; the interpreter has no direct launch path): every step must still read the
+    new values, on whatever stream is current, and give cpu_ref's bits."""
+    device = s["device"]
+    lens = [4, 4, 3, 4, 2, 4]
+    p = make_problem(lens, T=4, num_slots=16, seed=5, **dims(s))
+    _, rec = verify(p, "cuda")
+    state, (ref_state, ref_rec) = p.state.clone(), to_cpu(p.state.clone(), rec)
+    ctx = rs.CommitContext([[rs.LayerCache(state, rec)]], max_batch=rec.max_batch, backend="cuda")
+    ref = rs.CommitContext([[rs.LayerCache(ref_state, ref_rec)]], max_batch=rec.max_batch, backend="cpu_ref")
+    accepted, slots = torch.zeros_like(p.state_indices), p.state_indices.clone()
+    qsl = p.query_start_loc
+    for step in range(6):
+        accepted.copy_(torch.tensor([(step + 2 * r) % 5 for r in range(p.B)], dtype=torch.int32))
+        slots.copy_(p.state_indices.roll(step))    # distinct slots, a different row each step
+        side = torch.cuda.Stream() if device == "cuda" and step % 2 else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                ctx.commit(accepted, slots, qsl)
+            torch.cuda.current_stream().wait_stream(side)
+        else:
+            ctx.commit(accepted, slots, qsl)
+        ref.commit(accepted.cpu(), slots.cpu(), qsl.cpu())
+        assert torch.equal(state.cpu(), ref_state), step
+    if device == "cuda":
+        assert ctx._committer._repeat is not None, "the repeated launch was never bound"
+
+
+@pytest.mark.parametrize("s", SETTINGS)
 def test_conv_compaction_matches_reference(s):
     device = s["device"]
     lens = [4, 4, 4, 4, 4]

@@ -96,6 +96,16 @@ def align_step(R: int, T: int, *, block_size: int = 16, device="cuda") -> AlignS
                      torch.tensor(computed, **to), block_size, num_slots, boundaries)
 
 
+def per_group_indices(step: AlignStep, groups: int) -> dict:
+    """The step's per-group commit arguments as an engine passes them: each group its own copy of
+    the slot indices, block table and computed-token counts (the same values)."""
+    def copies(t: torch.Tensor) -> list:
+        return [t.clone() for _ in range(groups)]
+
+    return dict(state_indices=copies(step.state_indices), block_table=copies(step.block_table),
+                num_computed_tokens=copies(step.num_computed_tokens), block_size=step.block_size)
+
+
 def commit_context(groups: int, layers_per_group: int, R: int, T: int, H: int, HV: int, K: int,
                    V: int, num_slots: int, state_dtype=torch.float32, device="cuda"):
     """A CommitContext over fresh state pools and filled records (values do not matter for time)."""

@@ -11,7 +11,7 @@ import torch
 
 import recoverssm as rs
 
-from .problems import align_step, commit_context, window
+from .problems import align_step, commit_context, per_group_indices, window
 from .timing import CopyCeiling, Progress, copies_for, host_times, kernel_launches, median_us
 
 H, K, V = 16, 128, 128
@@ -176,14 +176,14 @@ def bench_graph(ceiling: CopyCeiling, progress: Progress) -> list[dict]:
 
 
 def bench_host(progress: Progress) -> list[dict]:
-    """Host time of one commit call (3 groups x 6 layers) and one verify call (``us``: wall,
-    ``cpu_us``: the thread's CPU time), and the kernels each launches."""
+    """Host time of one commit call (3 groups x 6 layers, each group with its own index tensors,
+    the same every call) and one verify call (``us``: wall, ``cpu_us``: the thread's CPU time),
+    and the kernels each launches."""
     T, R = 4, 8
     step = align_step(R, T)
     ctx, caches = commit_context(3, 6, R, T, H, 48, K, V, step.num_slots)
-    kw = dict(block_table=[step.block_table] * 3, num_computed_tokens=[step.num_computed_tokens] * 3,
-              block_size=step.block_size)
-    commit = lambda: ctx.commit(step.num_accepted, [step.state_indices] * 3, step.query_start_loc, **kw)  # noqa: E731
+    commit = functools.partial(ctx.commit, step.num_accepted, query_start_loc=step.query_start_loc,
+                               **per_group_indices(step, 3))
     w = window(R, T, H, 48, K, V)
     rows = []
     for case, call in (("CommitContext.commit, 3 groups x 6 layers", commit), ("gdn_verify, 1 layer", w.verify)):

@@ -140,3 +140,10 @@ class Committer(ABC):
                groups: Sequence[GroupStep]) -> None:
         """Replay the accepted tokens of every row into every layer's state, and compact conv states."""
 
+    def commit_again(self, num_accepted: torch.Tensor, query_start_loc: torch.Tensor,
+                     groups: Sequence[GroupStep]) -> None:
+        """:meth:`commit` with the very objects of the previous call, whose tensors the caller has
+        found unchanged in address, dtype, device, shape and strides (their values may differ).
+        A backend may reuse whatever it derived from them last time."""
+        self.commit(num_accepted, query_start_loc, groups)
+

@@ -136,16 +136,22 @@ def plan_commit(num_accepted: torch.Tensor, state_indices: torch.Tensor,
 
 
 def _signature(*args) -> tuple:
-    """What the step checks depend on, per argument: a tensor's identity, address, dtype, device,
-    shape and strides; a list's entries; any other value itself."""
-    out = []
+    """What the step checks depend on: which object each argument is (a list's length and
+    entries), then each distinct tensor's address, dtype, device, shape and strides; any other
+    value itself. A tensor passed for several groups is looked at once."""
+    out: list = []
+    tensors: dict = {}
     for x in args:
-        if isinstance(x, torch.Tensor):
-            out.append((id(x), x.data_ptr(), x.dtype, x.device, x.shape, x.stride()))
-        elif isinstance(x, (list, tuple)):
-            out.append(_signature(*x))
-        else:
-            out.append((type(x), x))
+        entries = x if isinstance(x, (list, tuple)) else (x,)
+        if entries is x:
+            out.append(len(x))
+        for y in entries:
+            if isinstance(y, torch.Tensor):
+                tensors[id(y)] = y
+                out.append(id(y))
+            else:
+                out.append((type(y), y))
+    out += [(t.data_ptr(), t.dtype, t.device, t.shape, t.stride()) for t in tensors.values()]
     return tuple(out)
 
 
@@ -249,7 +255,7 @@ class CommitContext:
             signature = _signature(num_accepted, state_indices, query_start_loc, request_indices,
                                    block_table, num_computed_tokens, block_size)
             if signature == self._last_signature:
-                self._committer.commit(num_accepted, query_start_loc, self._last_steps)
+                self._committer.commit_again(num_accepted, query_start_loc, self._last_steps)
                 return
         c = Checker("CommitContext.commit", self.device)
         G = self.num_groups

@@ -15,11 +15,15 @@ options; the device. Launch hooks (``triton.knobs.runtime.launch_enter_hook``) a
 this path. It is used for CUDA tensors only, never under Triton's interpreter; anything
 unexpected (a Triton whose compiled-kernel interface differs) turns it off for good and the
 normal path runs.
+
+:meth:`DirectLauncher.bind` goes one step further for a launch that repeats with the very same
+tensors (the commit of an engine that passes its persistent index buffers every step): the key
+and the tensors' addresses are computed once, and each repeat is the launcher call alone.
 """
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -33,6 +37,12 @@ try:        # what Triton's own launch path uses: the raw handle of a device's c
 except ImportError:  # pragma: no cover - older torch
     def _current_stream(index: int) -> int:
         return torch.cuda.current_stream(index).cuda_stream
+
+
+def _run(compiled, grid: tuple, device_index: int, flat_args: tuple) -> None:
+    """Call a compiled kernel's launcher on the device's current stream, without launch hooks."""
+    compiled.run(grid[0], grid[1], grid[2], _current_stream(device_index), compiled.function,
+                 compiled.packed_metadata, None, None, None, *flat_args)
 
 
 class DirectLauncher:
@@ -68,18 +78,49 @@ class DirectLauncher:
             compiled = self.compiled.get(key)
             if compiled is not None:
                 try:
-                    stream = _current_stream(key[0])
-                    compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
-                                 None, None, None, *args, *(constexprs[n] for n in self.constexpr_names))
+                    _run(compiled, grid, key[0], (*args, *(constexprs[n] for n in self.constexpr_names)))
                     return
                 except (AttributeError, TypeError) as exc:
-                    log.warning("direct launch of %s unavailable (%s); using Triton's launch path",
-                                self.kernel.__name__, exc)
-                    self.enabled = False
+                    self._disable(exc)
                     key = None
         compiled = self.kernel[grid](*args, **constexprs, **options)
         if key is not None and compiled is not None and not hasattr(compiled, "result"):
             self.compiled[key] = compiled
+
+    def bind(self, grid: Sequence[int], args: Sequence, constexprs: dict, options: dict) -> Optional[Callable[[], None]]:
+        """A launch of these very arguments, to repeat with no per-call work but reading the
+        current stream: pointers become plain addresses (so Triton's launcher neither looks up
+        ``data_ptr`` nor asks the driver about each pointer) and the binary is the one
+        :meth:`__call__` compiled for them. ``None`` until that binary exists, or on the plain path.
+
+        The caller must keep every tensor alive and unchanged in address, dtype, device, shape
+        and strides for as long as it repeats the launch (values may change), and call it with
+        the tensors' device current."""
+        if not (self.enabled and args[self.pointers[0]].device.type == "cuda" and len(args) == self.num_runtime):
+            return None
+        key = self._key(args, constexprs, options)
+        compiled = self.compiled.get(key)
+        if compiled is None:
+            return None
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        pointers = set(self.pointers)
+        flat = (*(a.data_ptr() if i in pointers else a for i, a in enumerate(args)),
+                *(constexprs[n] for n in self.constexpr_names))
+
+        def launch() -> None:
+            if self.enabled:
+                try:
+                    _run(compiled, grid, key[0], flat)
+                    return
+                except (AttributeError, TypeError) as exc:   # addresses refused: the plain path from now on
+                    self._disable(exc)
+            self(grid, args, constexprs, options)
+        launch.keepalive = args     # the addresses in ``flat`` stay valid while ``launch`` lives
+        return launch
+
+    def _disable(self, exc: Exception) -> None:
+        log.warning("direct launch of %s unavailable (%s); using Triton's launch path", self.kernel.__name__, exc)
+        self.enabled = False
 
     def _key(self, args, constexprs: dict, options: dict) -> tuple:
         scalars = [args[i] for i in self.non_pointers]
