@@ -1,6 +1,6 @@
-"""One representative align-mode grouped commit (conv compaction included), the same commit of a
-bf16 state (the bf16 commit tile), again with out-of-range slots, one verify and one native
-decode, for
+"""One representative align-mode grouped commit (conv compaction included), repeated with the
+same tensors (the bound launch of repeated steps), the same commit of a bf16 state (the bf16
+commit tile), again with out-of-range slots, one verify and one native decode, for
 ``compute-sanitizer --tool memcheck`` and ``--tool racecheck`` (see docs/TESTING.md).
 
     compute-sanitizer --tool memcheck python benchmarks/sanitize_case.py
@@ -31,6 +31,10 @@ def main() -> None:
     ctx.commit(step.num_accepted, step.state_indices, step.query_start_loc,
                block_table=step.block_table, num_computed_tokens=step.num_computed_tokens,
                block_size=step.block_size, check=True)
+    for _ in range(3):   # the same tensors again: the third call repeats the launch bound by the second
+        ctx.commit(step.num_accepted, step.state_indices, step.query_start_loc, block_table=step.block_table,
+                   num_computed_tokens=step.num_computed_tokens, block_size=step.block_size)
+    assert ctx._committer._repeat is not None, "the repeated commit launch was not bound"
     # bf16 pool (its own commit tile); then the same step with one slot far out of range and one
     # null, past the argument checks: nothing may be read or written for those rows.
     bf16_state = state.to(torch.bfloat16)
@@ -45,7 +49,8 @@ def main() -> None:
     rs.gdn_decode(w.q, w.k, w.v, state=state, state_indices=w.state_indices, query_start_loc=w.query_start_loc,
                   **w.gates())
     torch.cuda.synchronize()
-    print("sanitize case ran: conv_verify, gdn_verify, grouped align commit with conv compaction, "
+    print("sanitize case ran: conv_verify, gdn_verify, grouped align commit with conv compaction "
+          "(repeated through the bound launch), "
           "bf16 commits (one with out-of-range slots), gdn_decode")
 
 

@@ -5,7 +5,7 @@ import torch
 
 from ...core.hookspecs import hookimpl
 from ...core.pointers import PointerEncoding
-from ..triton.backend import TritonBackend
+from ..triton.backend import STAY_ON_DEVICE, TritonBackend
 from ..triton.config import LaunchConfig
 
 
@@ -31,7 +31,7 @@ class CudaBackend(TritonBackend):
         # calls already run on the tensors' device.
         if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
             return torch.cuda.device(device)
-        return super().device_guard(device)
+        return STAY_ON_DEVICE
 
 
 @hookimpl

@@ -16,6 +16,9 @@ import torch
 from ...core.backend import Backend
 from .config import LaunchConfig, interpreting
 
+#: The guard of a launch that needs no device switch (a reusable do-nothing context manager).
+STAY_ON_DEVICE = contextlib.nullcontext()
+
 
 class TritonBackend(Backend):
     capabilities = frozenset({
@@ -84,4 +87,4 @@ class TritonBackend(Backend):
 
     def device_guard(self, device: torch.device):
         """Make ``device`` current while launching (Triton launches on the current device)."""
-        return contextlib.nullcontext()
+        return STAY_ON_DEVICE

@@ -102,15 +102,17 @@ class DirectLauncher:
         compiled = self.compiled.get(key)
         if compiled is None:
             return None
-        grid = tuple(grid) + (1,) * (3 - len(grid))
         pointers = set(self.pointers)
-        flat = (*(a.data_ptr() if i in pointers else a for i, a in enumerate(args)),
+        device_index, runner = key[0], compiled.run
+        head = (*grid, *(1,) * (3 - len(grid)))
+        tail = (compiled.function, compiled.packed_metadata, None, None, None,
+                *(a.data_ptr() if i in pointers else a for i, a in enumerate(args)),
                 *(constexprs[n] for n in self.constexpr_names))
 
-        def launch() -> None:
+        def launch() -> None:    # _run's call, everything but the stream fixed
             if self.enabled:
                 try:
-                    _run(compiled, grid, key[0], flat)
+                    runner(*head, _current_stream(device_index), *tail)
                     return
                 except (AttributeError, TypeError) as exc:   # addresses refused: the plain path from now on
                     self._disable(exc)
