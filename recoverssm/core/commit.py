@@ -136,22 +136,16 @@ def plan_commit(num_accepted: torch.Tensor, state_indices: torch.Tensor,
 
 
 def _signature(*args) -> tuple:
-    """What the step checks depend on: which object each argument is (a list's length and
-    entries), then each distinct tensor's address, dtype, device, shape and strides; any other
-    value itself. A tensor passed for several groups is looked at once."""
-    out: list = []
-    tensors: dict = {}
+    """What the step checks depend on, per argument: a tensor's identity, address, dtype, device,
+    shape and strides; a list's entries; any other value itself."""
+    out = []
     for x in args:
-        entries = x if isinstance(x, (list, tuple)) else (x,)
-        if entries is x:
-            out.append(len(x))
-        for y in entries:
-            if isinstance(y, torch.Tensor):
-                tensors[id(y)] = y
-                out.append(id(y))
-            else:
-                out.append((type(y), y))
-    out += [(t.data_ptr(), t.dtype, t.device, t.shape, t.stride()) for t in tensors.values()]
+        if isinstance(x, torch.Tensor):
+            out.append((id(x), x.data_ptr(), x.dtype, x.device, x.shape, x.stride()))
+        elif isinstance(x, (list, tuple)):
+            out.append(_signature(*x))
+        else:
+            out.append((type(x), x))
     return tuple(out)
 
 
