@@ -146,4 +146,3 @@ class Committer(ABC):
         found unchanged in address, dtype, device, shape and strides (their values may differ).
         A backend may reuse whatever it derived from them last time."""
         self.commit(num_accepted, query_start_loc, groups)
-

@@ -117,7 +117,7 @@ class DirectLauncher:
                 except (AttributeError, TypeError) as exc:   # addresses refused: the plain path from now on
                     self._disable(exc)
             self(grid, args, constexprs, options)
-        launch.keepalive = args     # the addresses in ``flat`` stay valid while ``launch`` lives
+        launch.keepalive = args     # the addresses in ``tail`` stay valid while ``launch`` lives
         return launch
 
     def _disable(self, exc: Exception) -> None:
