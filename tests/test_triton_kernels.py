@@ -319,6 +319,32 @@ def test_grouped_commit_equals_per_layer(s):
 
 
 @pytest.mark.parametrize("s", SETTINGS)
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_tiles_per_program_do_not_change_the_bits(s, state_dtype):
+    """A commit program may replay several state tiles in turn (sharing the row's plan): 1, 2 and
+    3 tiles per program (3 leaves the last program short) give the same states and conv states,
+    align mode with boundary writes included."""
+    from recoverssm.backends.triton.launch import LaunchConfig
+
+    device = s["device"]
+    align, accepted, sources = align_case(device, 16)
+    p = make_problem([4] * 5, T=4, num_slots=16, seed=21, state_dtype=state_dtype, **dims(s))
+    p.state_indices = torch.tensor(sources, dtype=torch.int32, device=device)
+    _, rec = verify(p, "cuda")
+    conv_state = torch.randn(16, 12, 3 + 4, device=device)
+    results = []
+    for tiles in (1, 2, 3):
+        state, conv = p.state.clone(), conv_state.clone()
+        ctx = rs.CommitContext([[rs.LayerCache(state, rec, conv)]], max_batch=5, backend="cuda")
+        ctx._committer.set_config(LaunchConfig(commit_block_v=16, commit_tiles_per_program=tiles))
+        ctx.commit(accepted, p.state_indices, p.query_start_loc, **align)
+        results.append((state, conv))
+    for state, conv in results[1:]:
+        assert torch.equal(state, results[0][0]) and torch.equal(conv, results[0][1])
+    assert not torch.equal(results[0][0], p.state), "the commit wrote nothing"
+
+
+@pytest.mark.parametrize("s", SETTINGS)
 def test_steps_with_persistent_index_buffers(s):
     """An engine's loop: the same index tensors every step, their values rewritten in place (as
     under CUDA graphs). From the second such step on, the commit repeats a launch bound to those

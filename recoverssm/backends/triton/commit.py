@@ -145,12 +145,46 @@ def replay_tokens(S, corr_row, key_row, decay_row, first, last, offs_v, mask_v, 
 
 
 @triton.jit
+def commit_state_tile(lt, row, tile_index, n, src, final, boundary, boundary_len, max_window, null_slot,
+                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                      K_PAD: tl.constexpr, BV: tl.constexpr, V_TILES: tl.constexpr,
+                      STATE_DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    """One ``[BV, K_PAD]`` state tile of one row and layer: read the source, replay the accepted
+    records, store the boundary and final states."""
+    hv = tile_index // V_TILES
+    h = hv // (HV // H)
+    offs_v = (tile_index % V_TILES) * BV + tl.arange(0, BV)
+    mask_v = offs_v < V
+    offs_k = tl.arange(0, K_PAD)
+    mask_k = offs_k < K
+    VEC: tl.constexpr = 128 // STATE_DTYPE.primitive_bitwidth  # elements per 16 bytes
+    state = table_pointer(lt, LAYER_STATE, STATE_DTYPE, ALIGNED)
+    slot_stride = table_entry(lt, LAYER_STATE_SLOT_STRIDE, ALIGNED, VEC)
+    head = hv * table_entry(lt, LAYER_STATE_HEAD_STRIDE, ALIGNED, VEC)
+    tile = offs_v[:, None] * table_entry(lt, LAYER_STATE_V_STRIDE, ALIGNED, VEC) + offs_k[None, :]
+    mask = mask_v[:, None] & mask_k[None, :]
+    corr_row = table_pointer(lt, LAYER_CORRECTION, tl.float32, ALIGNED) + (row * HV + hv).to(tl.int64) * max_window * V
+    key_row = table_pointer(lt, LAYER_KEY, tl.float32, ALIGNED) + (row * H + h).to(tl.int64) * max_window * K
+    decay_row = table_pointer(lt, LAYER_DECAY, tl.float32, False) + (row * HV + hv).to(tl.int64) * max_window
+
+    # Read the source tile once, before anything is stored: the boundary (or final) slot may be
+    # the source slot itself.
+    S = tl.load(state + src.to(tl.int64) * slot_stride + head + tile, mask=mask, other=0.0).to(tl.float32)
+    S = replay_tokens(S, corr_row, key_row, decay_row, 0, boundary_len, offs_v, mask_v, offs_k, mask_k, V, K)
+    if boundary > null_slot:
+        tl.store(state + boundary.to(tl.int64) * slot_stride + head + tile, to_storage(S, STATE_DTYPE), mask=mask)
+    S = replay_tokens(S, corr_row, key_row, decay_row, boundary_len, n, offs_v, mask_v, offs_k, mask_k, V, K)
+    tl.store(state + final.to(tl.int64) * slot_stride + head + tile, to_storage(S, STATE_DTYPE), mask=mask)
+
+
+@triton.jit
 def grouped_commit_kernel(
     layer_table_ptr, group_table_ptr, num_accepted_ptr, qsl_ptr,
     num_requests, null_slot,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     K_PAD: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, CONV_COLS: tl.constexpr,
     STATE_DTYPE: tl.constexpr, CONV_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
+    TILES_PER_PROGRAM: tl.constexpr,
 ):
     item = tl.program_id(0)
     row = tl.program_id(1)
@@ -175,39 +209,26 @@ def grouped_commit_kernel(
         tl.load(gt + GROUP_BLOCK_SIZE).to(tl.int32),
         num_requests, null_slot, num_slots, max_window)
 
+    TILES: tl.constexpr = HV * V_TILES
+    TILE_ITEMS: tl.constexpr = (TILES + TILES_PER_PROGRAM - 1) // TILES_PER_PROGRAM
     if n > 0:
-        if item < HV * V_TILES:
-            hv = item // V_TILES
-            h = hv // (HV // H)
-            offs_v = (item % V_TILES) * BV + tl.arange(0, BV)
-            mask_v = offs_v < V
-            offs_k = tl.arange(0, K_PAD)
-            mask_k = offs_k < K
-            VEC: tl.constexpr = 128 // STATE_DTYPE.primitive_bitwidth  # elements per 16 bytes
-            state = table_pointer(lt, LAYER_STATE, STATE_DTYPE, ALIGNED)
-            slot_stride = table_entry(lt, LAYER_STATE_SLOT_STRIDE, ALIGNED, VEC)
-            head = hv * table_entry(lt, LAYER_STATE_HEAD_STRIDE, ALIGNED, VEC)
-            tile = offs_v[:, None] * table_entry(lt, LAYER_STATE_V_STRIDE, ALIGNED, VEC) + offs_k[None, :]
-            mask = mask_v[:, None] & mask_k[None, :]
-            corr_row = table_pointer(lt, LAYER_CORRECTION, tl.float32, ALIGNED) + (row * HV + hv).to(tl.int64) * max_window * V
-            key_row = table_pointer(lt, LAYER_KEY, tl.float32, ALIGNED) + (row * H + h).to(tl.int64) * max_window * K
-            decay_row = table_pointer(lt, LAYER_DECAY, tl.float32, False) + (row * HV + hv).to(tl.int64) * max_window
-
-            # Read the source tile once, before anything is stored: the boundary (or final)
-            # slot may be the source slot itself.
-            S = tl.load(state + src.to(tl.int64) * slot_stride + head + tile, mask=mask, other=0.0).to(tl.float32)
-            S = replay_tokens(S, corr_row, key_row, decay_row, 0, boundary_len,
-                              offs_v, mask_v, offs_k, mask_k, V, K)
-            if boundary > null_slot:
-                tl.store(state + boundary.to(tl.int64) * slot_stride + head + tile, to_storage(S, STATE_DTYPE), mask=mask)
-            S = replay_tokens(S, corr_row, key_row, decay_row, boundary_len, n,
-                              offs_v, mask_v, offs_k, mask_k, V, K)
-            tl.store(state + final.to(tl.int64) * slot_stride + head + tile, to_storage(S, STATE_DTYPE), mask=mask)
+        if item < TILE_ITEMS:
+            if TILES_PER_PROGRAM == 1:
+                commit_state_tile(lt, row, item, n, src, final, boundary, boundary_len, max_window,
+                                  null_slot, H, HV, K, V, K_PAD, BV, V_TILES, STATE_DTYPE, ALIGNED)
+            else:
+                # Several tiles per program share the plan above (a chain of dependent loads).
+                for j in range(TILES_PER_PROGRAM):
+                    tile_index = item * TILES_PER_PROGRAM + j
+                    if tile_index < TILES:
+                        commit_state_tile(lt, row, tile_index, n, src, final, boundary, boundary_len,
+                                          max_window, null_slot, H, HV, K, V, K_PAD, BV, V_TILES,
+                                          STATE_DTYPE, ALIGNED)
         else:
             conv = tl.load(lt + LAYER_CONV)
             conv_dim = tl.load(lt + LAYER_CONV_DIM)
-            offs_d = (item - HV * V_TILES) * BD + tl.arange(0, BD)
-            if (conv != 0) & ((item - HV * V_TILES) * BD < conv_dim):
+            offs_d = (item - TILE_ITEMS) * BD + tl.arange(0, BD)
+            if (conv != 0) & ((item - TILE_ITEMS) * BD < conv_dim):
                 # dst[:, :history] = src[:, n : n + history] (and boundary_len for the boundary
                 # slot); the whole source window is loaded before either store.
                 conv_state = conv.to(tl.pointer_type(CONV_DTYPE))

@@ -35,7 +35,9 @@ class LaunchConfig:
     bytes per row: the replay's arithmetic, not memory, decides the best tile; the commit is
     element-wise, so its tile never changes a bit); ``commit_max_registers``,
     ``commit_max_registers_bf16``: register caps for the commit (more programs per SM keep more
-    state bytes in flight); ``conv_block``: channels per conv program.
+    state bytes in flight); ``commit_tiles_per_program``, ``commit_tiles_per_program_bf16``:
+    state tiles one commit program replays in turn, sharing the row's commit plan;
+    ``conv_block``: channels per conv program.
     ``compile_options``: extra options for every launch (e.g. ``grf_mode`` on Intel GPUs).
     """
 
@@ -53,17 +55,21 @@ class LaunchConfig:
     commit_warps_bf16: Optional[int] = None
     commit_max_registers: Optional[int] = None
     commit_max_registers_bf16: Optional[int] = None
+    commit_tiles_per_program: int = 1
+    commit_tiles_per_program_bf16: Optional[int] = None
     conv_block: int = 128
     conv_warps: int = 4
     plan_block: int = 128
     compile_options: dict = field(default_factory=dict)
 
-    def commit_tile(self, bf16_state: bool) -> tuple[int, int, Optional[int]]:
-        """``(V rows per program, warps, register cap)`` of the commit kernel for the state dtype."""
+    def commit_tile(self, bf16_state: bool) -> tuple[int, int, Optional[int], int]:
+        """``(V rows per tile, warps, register cap, tiles per program)`` of the commit kernel for
+        the state dtype."""
         if bf16_state:
             return (self.commit_block_v_bf16 or self.commit_block_v, self.commit_warps_bf16 or self.commit_warps,
-                    self.commit_max_registers_bf16 or self.commit_max_registers)
-        return self.commit_block_v, self.commit_warps, self.commit_max_registers
+                    self.commit_max_registers_bf16 or self.commit_max_registers,
+                    self.commit_tiles_per_program_bf16 or self.commit_tiles_per_program)
+        return self.commit_block_v, self.commit_warps, self.commit_max_registers, self.commit_tiles_per_program
 
     def options(self, num_warps: int, num_stages: Optional[int] = None,
                 max_registers: Optional[int] = None) -> dict:
