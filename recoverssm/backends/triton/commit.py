@@ -4,8 +4,10 @@
 scalars inside the commit kernel (no separate plan launch) and on vectors in ``plan_commit_kernel``.
 
 ``grouped_commit_kernel`` covers every layer of every KV-cache group in one launch. Grid axis 2 is
-the layer, axis 1 the batch row, axis 0 the work item: ``HV * cdiv(V, BV)`` state tiles, then the
-conv-compaction blocks of that layer and row. Per-layer base pointers and strides come from an
+the layer, axis 1 the batch row, axis 0 the work item: the ``HV * cdiv(V, BV)`` state tiles,
+``TILES_PER_PROGRAM`` per program, then the conv-compaction blocks of that layer and row. A
+program computes the row's commit plan once, whatever the tiles it replays (``commit_state_tile``:
+one tile, one pass). Per-layer base pointers and strides come from an
 int64 device table built once per commit context (``LAYER_*`` columns); per-group pointers to the
 step's index tensors come from a second small table (``GROUP_*`` columns).
 """
