@@ -3,7 +3,8 @@
     python benchmarks/host_breakdown.py
 
 Each line is the median host time (us) of calling only that piece, as wall time and as the
-thread's CPU time; the pieces of one call add up to roughly the whole. Complements benchmarks/host_profile.py (cProfile inflates Python-heavy code).
+thread's CPU time; the pieces of one call add up to roughly the whole. Complements
+benchmarks/host_profile.py (cProfile inflates Python-heavy code).
 """
 import torch
 
@@ -84,6 +85,7 @@ def main():
                  cfg, "verify", w.q, w.k, w.v, w.state, w.state_indices, w.query_start_loc, gates,
                  K ** -0.5, True, -1, out, rec, None, True)),
              ("torch.empty_like", lambda: torch.empty_like(w.v))]
+
     def show(name, fn):
         times = host_times(fn)
         print(f"{name:48s} {times['wall_us']:8.2f} us wall {times['cpu_us']:8.2f} us CPU", flush=True)
