@@ -147,36 +147,55 @@ def replay_tokens(S, corr_row, key_row, decay_row, first, last, offs_v, mask_v, 
 
 
 @triton.jit
-def commit_state_tile(lt, row, tile_index, n, src, final, boundary, boundary_len, max_window, null_slot,
+def state_tile(lt, tile_index, K: tl.constexpr, V: tl.constexpr, K_PAD: tl.constexpr, BV: tl.constexpr,
+               V_TILES: tl.constexpr, STATE_DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    """Where state tile ``tile_index`` (a value head's ``BV`` rows) lies in every slot of the
+    layer: ``(state pointer, slot stride, offsets within a slot, mask)``."""
+    hv = tile_index // V_TILES
+    offs_v = (tile_index % V_TILES) * BV + tl.arange(0, BV)
+    offs_k = tl.arange(0, K_PAD)
+    VEC: tl.constexpr = 128 // STATE_DTYPE.primitive_bitwidth  # elements per 16 bytes
+    state = table_pointer(lt, LAYER_STATE, STATE_DTYPE, ALIGNED)
+    slot_stride = table_entry(lt, LAYER_STATE_SLOT_STRIDE, ALIGNED, VEC)
+    head = hv * table_entry(lt, LAYER_STATE_HEAD_STRIDE, ALIGNED, VEC)
+    offsets = head + offs_v[:, None] * table_entry(lt, LAYER_STATE_V_STRIDE, ALIGNED, VEC) + offs_k[None, :]
+    mask = (offs_v < V)[:, None] & (offs_k < K)[None, :]
+    return state, slot_stride, offsets, mask
+
+
+@triton.jit
+def load_state_tile(lt, slot, tile_index, wanted, K: tl.constexpr, V: tl.constexpr, K_PAD: tl.constexpr,
+                    BV: tl.constexpr, V_TILES: tl.constexpr, STATE_DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    """Tile ``tile_index`` of ``slot`` in its storage dtype; nothing is read unless ``wanted``."""
+    state, slot_stride, offsets, mask = state_tile(lt, tile_index, K, V, K_PAD, BV, V_TILES, STATE_DTYPE, ALIGNED)
+    return tl.load(state + slot.to(tl.int64) * slot_stride + offsets, mask=tl.where(wanted, mask, False), other=0.0)
+
+
+@triton.jit
+def commit_state_tile(lt, row, tile_index, source_tile, n, final, boundary, boundary_len, max_window, null_slot,
                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                       K_PAD: tl.constexpr, BV: tl.constexpr, V_TILES: tl.constexpr,
                       STATE_DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
-    """One ``[BV, K_PAD]`` state tile of one row and layer: read the source, replay the accepted
-    records, store the boundary and final states."""
+    """One ``[BV, K_PAD]`` state tile of one row and layer, already read from the source slot
+    (``source_tile``, storage dtype): replay the accepted records, store the boundary and final
+    states."""
     hv = tile_index // V_TILES
     h = hv // (HV // H)
     offs_v = (tile_index % V_TILES) * BV + tl.arange(0, BV)
     mask_v = offs_v < V
     offs_k = tl.arange(0, K_PAD)
     mask_k = offs_k < K
-    VEC: tl.constexpr = 128 // STATE_DTYPE.primitive_bitwidth  # elements per 16 bytes
-    state = table_pointer(lt, LAYER_STATE, STATE_DTYPE, ALIGNED)
-    slot_stride = table_entry(lt, LAYER_STATE_SLOT_STRIDE, ALIGNED, VEC)
-    head = hv * table_entry(lt, LAYER_STATE_HEAD_STRIDE, ALIGNED, VEC)
-    tile = offs_v[:, None] * table_entry(lt, LAYER_STATE_V_STRIDE, ALIGNED, VEC) + offs_k[None, :]
-    mask = mask_v[:, None] & mask_k[None, :]
+    state, slot_stride, offsets, mask = state_tile(lt, tile_index, K, V, K_PAD, BV, V_TILES, STATE_DTYPE, ALIGNED)
     corr_row = table_pointer(lt, LAYER_CORRECTION, tl.float32, ALIGNED) + (row * HV + hv).to(tl.int64) * max_window * V
     key_row = table_pointer(lt, LAYER_KEY, tl.float32, ALIGNED) + (row * H + h).to(tl.int64) * max_window * K
     decay_row = table_pointer(lt, LAYER_DECAY, tl.float32, False) + (row * HV + hv).to(tl.int64) * max_window
 
-    # Read the source tile once, before anything is stored: the boundary (or final) slot may be
-    # the source slot itself.
-    S = tl.load(state + src.to(tl.int64) * slot_stride + head + tile, mask=mask, other=0.0).to(tl.float32)
+    S = source_tile.to(tl.float32)
     S = replay_tokens(S, corr_row, key_row, decay_row, 0, boundary_len, offs_v, mask_v, offs_k, mask_k, V, K)
     if boundary > null_slot:
-        tl.store(state + boundary.to(tl.int64) * slot_stride + head + tile, to_storage(S, STATE_DTYPE), mask=mask)
+        tl.store(state + boundary.to(tl.int64) * slot_stride + offsets, to_storage(S, STATE_DTYPE), mask=mask)
     S = replay_tokens(S, corr_row, key_row, decay_row, boundary_len, n, offs_v, mask_v, offs_k, mask_k, V, K)
-    tl.store(state + final.to(tl.int64) * slot_stride + head + tile, to_storage(S, STATE_DTYPE), mask=mask)
+    tl.store(state + final.to(tl.int64) * slot_stride + offsets, to_storage(S, STATE_DTYPE), mask=mask)
 
 
 @triton.jit
@@ -186,7 +205,7 @@ def grouped_commit_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     K_PAD: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, CONV_COLS: tl.constexpr,
     STATE_DTYPE: tl.constexpr, CONV_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
-    TILES_PER_PROGRAM: tl.constexpr,
+    TILES_PER_PROGRAM: tl.constexpr, PREFETCH_NEXT_TILE: tl.constexpr,
 ):
     item = tl.program_id(0)
     row = tl.program_id(1)
@@ -215,15 +234,35 @@ def grouped_commit_kernel(
     TILE_ITEMS: tl.constexpr = (TILES + TILES_PER_PROGRAM - 1) // TILES_PER_PROGRAM
     if n > 0:
         if item < TILE_ITEMS:
+            # A source tile is read before anything is stored (the boundary or final slot may be
+            # the source slot itself; other tiles of it are other addresses).
             if TILES_PER_PROGRAM == 1:
-                commit_state_tile(lt, row, item, n, src, final, boundary, boundary_len, max_window,
+                tile = load_state_tile(lt, src, item, True, K, V, K_PAD, BV, V_TILES, STATE_DTYPE, ALIGNED)
+                commit_state_tile(lt, row, item, tile, n, final, boundary, boundary_len, max_window,
                                   null_slot, H, HV, K, V, K_PAD, BV, V_TILES, STATE_DTYPE, ALIGNED)
+            elif PREFETCH_NEXT_TILE:
+                # Several tiles per program share the plan above (a chain of dependent loads),
+                # and the next tile's bytes are requested before the current tile is replayed.
+                first = item * TILES_PER_PROGRAM
+                tile = load_state_tile(lt, src, first, True, K, V, K_PAD, BV, V_TILES, STATE_DTYPE, ALIGNED)
+                for j in range(TILES_PER_PROGRAM):
+                    tile_index = first + j
+                    following = load_state_tile(lt, src, tile_index + 1,
+                                                (j + 1 < TILES_PER_PROGRAM) & (tile_index + 1 < TILES),
+                                                K, V, K_PAD, BV, V_TILES, STATE_DTYPE, ALIGNED)
+                    if tile_index < TILES:
+                        commit_state_tile(lt, row, tile_index, tile, n, final, boundary, boundary_len,
+                                          max_window, null_slot, H, HV, K, V, K_PAD, BV, V_TILES,
+                                          STATE_DTYPE, ALIGNED)
+                    tile = following
             else:
                 # Several tiles per program share the plan above (a chain of dependent loads).
                 for j in range(TILES_PER_PROGRAM):
                     tile_index = item * TILES_PER_PROGRAM + j
                     if tile_index < TILES:
-                        commit_state_tile(lt, row, tile_index, n, src, final, boundary, boundary_len,
+                        tile = load_state_tile(lt, src, tile_index, True, K, V, K_PAD, BV, V_TILES,
+                                               STATE_DTYPE, ALIGNED)
+                        commit_state_tile(lt, row, tile_index, tile, n, final, boundary, boundary_len,
                                           max_window, null_slot, H, HV, K, V, K_PAD, BV, V_TILES,
                                           STATE_DTYPE, ALIGNED)
         else:

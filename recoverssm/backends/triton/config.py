@@ -8,12 +8,22 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+class CommitTile(NamedTuple):
+    """The grouped commit's launch for one state dtype (``LaunchConfig.commit_tile``)."""
+
+    block_v: int
+    warps: int
+    max_registers: Optional[int]
+    tiles_per_program: int
+    prefetch_next_tile: bool
 
 
 @dataclass(frozen=True)
@@ -37,6 +47,8 @@ class LaunchConfig:
     ``commit_max_registers_bf16``: register caps for the commit (more programs per SM keep more
     state bytes in flight); ``commit_tiles_per_program``, ``commit_tiles_per_program_bf16``:
     state tiles one commit program replays in turn, sharing the row's commit plan;
+    ``commit_prefetch_next_tile``: with several tiles per program, request the next tile's bytes
+    before replaying the current one (more state bytes in flight per program, for its registers);
     ``conv_block``: channels per conv program.
     ``compile_options``: extra options for every launch (e.g. ``grf_mode`` on Intel GPUs).
     """
@@ -57,19 +69,22 @@ class LaunchConfig:
     commit_max_registers_bf16: Optional[int] = None
     commit_tiles_per_program: int = 1
     commit_tiles_per_program_bf16: Optional[int] = None
+    commit_prefetch_next_tile: bool = False
     conv_block: int = 128
     conv_warps: int = 4
     plan_block: int = 128
     compile_options: dict = field(default_factory=dict)
 
-    def commit_tile(self, bf16_state: bool) -> tuple[int, int, Optional[int], int]:
-        """``(V rows per tile, warps, register cap, tiles per program)`` of the commit kernel for
-        the state dtype."""
+    def commit_tile(self, bf16_state: bool) -> CommitTile:
+        """The commit kernel's tile, warps, register cap and tiles per program for the state dtype."""
         if bf16_state:
-            return (self.commit_block_v_bf16 or self.commit_block_v, self.commit_warps_bf16 or self.commit_warps,
-                    self.commit_max_registers_bf16 or self.commit_max_registers,
-                    self.commit_tiles_per_program_bf16 or self.commit_tiles_per_program)
-        return self.commit_block_v, self.commit_warps, self.commit_max_registers, self.commit_tiles_per_program
+            return CommitTile(self.commit_block_v_bf16 or self.commit_block_v,
+                              self.commit_warps_bf16 or self.commit_warps,
+                              self.commit_max_registers_bf16 or self.commit_max_registers,
+                              self.commit_tiles_per_program_bf16 or self.commit_tiles_per_program,
+                              self.commit_prefetch_next_tile)
+        return CommitTile(self.commit_block_v, self.commit_warps, self.commit_max_registers,
+                          self.commit_tiles_per_program, self.commit_prefetch_next_tile)
 
     def options(self, num_warps: int, num_stages: Optional[int] = None,
                 max_registers: Optional[int] = None) -> dict:
