@@ -147,48 +147,45 @@ def replay_tokens(S, corr_row, key_row, decay_row, first, last, offs_v, mask_v, 
 
 
 @triton.jit
-def state_tile(lt, tile_index, K: tl.constexpr, V: tl.constexpr, K_PAD: tl.constexpr, BV: tl.constexpr,
-               V_TILES: tl.constexpr, STATE_DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
-    """Where state tile ``tile_index`` (a value head's ``BV`` rows) lies in every slot of the
-    layer: ``(state pointer, slot stride, offsets within a slot, mask)``."""
-    hv = tile_index // V_TILES
+def layer_state(lt, STATE_DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    """The layer's state pool: ``(pointer, slot stride, head stride, V-row stride)``, in elements."""
+    VEC: tl.constexpr = 128 // STATE_DTYPE.primitive_bitwidth  # elements per 16 bytes
+    return (table_pointer(lt, LAYER_STATE, STATE_DTYPE, ALIGNED),
+            table_entry(lt, LAYER_STATE_SLOT_STRIDE, ALIGNED, VEC),
+            table_entry(lt, LAYER_STATE_HEAD_STRIDE, ALIGNED, VEC),
+            table_entry(lt, LAYER_STATE_V_STRIDE, ALIGNED, VEC))
+
+
+@triton.jit
+def tile_offsets(tile_index, head_stride, v_stride, K: tl.constexpr, V: tl.constexpr, K_PAD: tl.constexpr,
+                 BV: tl.constexpr, V_TILES: tl.constexpr):
+    """Offsets within a slot of state tile ``tile_index`` (``BV`` rows of value head
+    ``tile_index // V_TILES``), and its mask."""
     offs_v = (tile_index % V_TILES) * BV + tl.arange(0, BV)
     offs_k = tl.arange(0, K_PAD)
-    VEC: tl.constexpr = 128 // STATE_DTYPE.primitive_bitwidth  # elements per 16 bytes
-    state = table_pointer(lt, LAYER_STATE, STATE_DTYPE, ALIGNED)
-    slot_stride = table_entry(lt, LAYER_STATE_SLOT_STRIDE, ALIGNED, VEC)
-    head = hv * table_entry(lt, LAYER_STATE_HEAD_STRIDE, ALIGNED, VEC)
-    offsets = head + offs_v[:, None] * table_entry(lt, LAYER_STATE_V_STRIDE, ALIGNED, VEC) + offs_k[None, :]
-    mask = (offs_v < V)[:, None] & (offs_k < K)[None, :]
-    return state, slot_stride, offsets, mask
+    offsets = (tile_index // V_TILES) * head_stride + offs_v[:, None] * v_stride + offs_k[None, :]
+    return offsets, (offs_v < V)[:, None] & (offs_k < K)[None, :]
 
 
 @triton.jit
-def load_state_tile(lt, slot, tile_index, wanted, K: tl.constexpr, V: tl.constexpr, K_PAD: tl.constexpr,
-                    BV: tl.constexpr, V_TILES: tl.constexpr, STATE_DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
-    """Tile ``tile_index`` of ``slot`` in its storage dtype; nothing is read unless ``wanted``."""
-    state, slot_stride, offsets, mask = state_tile(lt, tile_index, K, V, K_PAD, BV, V_TILES, STATE_DTYPE, ALIGNED)
-    return tl.load(state + slot.to(tl.int64) * slot_stride + offsets, mask=tl.where(wanted, mask, False), other=0.0)
-
-
-@triton.jit
-def commit_state_tile(lt, row, tile_index, source_tile, n, final, boundary, boundary_len, max_window, null_slot,
+def commit_state_tile(state, slot_stride, head_stride, v_stride, corr, key, decay,
+                      row, tile_index, source_tile, n, final, boundary, boundary_len, max_window, null_slot,
                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                       K_PAD: tl.constexpr, BV: tl.constexpr, V_TILES: tl.constexpr,
-                      STATE_DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+                      STATE_DTYPE: tl.constexpr):
     """One ``[BV, K_PAD]`` state tile of one row and layer, already read from the source slot
-    (``source_tile``, storage dtype): replay the accepted records, store the boundary and final
-    states."""
+    (``source_tile``, storage dtype): replay the accepted records (``corr``, ``key``, ``decay``:
+    the layer's record pointers), store the boundary and final states."""
     hv = tile_index // V_TILES
     h = hv // (HV // H)
     offs_v = (tile_index % V_TILES) * BV + tl.arange(0, BV)
     mask_v = offs_v < V
     offs_k = tl.arange(0, K_PAD)
     mask_k = offs_k < K
-    state, slot_stride, offsets, mask = state_tile(lt, tile_index, K, V, K_PAD, BV, V_TILES, STATE_DTYPE, ALIGNED)
-    corr_row = table_pointer(lt, LAYER_CORRECTION, tl.float32, ALIGNED) + (row * HV + hv).to(tl.int64) * max_window * V
-    key_row = table_pointer(lt, LAYER_KEY, tl.float32, ALIGNED) + (row * H + h).to(tl.int64) * max_window * K
-    decay_row = table_pointer(lt, LAYER_DECAY, tl.float32, False) + (row * HV + hv).to(tl.int64) * max_window
+    offsets, mask = tile_offsets(tile_index, head_stride, v_stride, K, V, K_PAD, BV, V_TILES)
+    corr_row = corr + (row * HV + hv).to(tl.int64) * max_window * V
+    key_row = key + (row * H + h).to(tl.int64) * max_window * K
+    decay_row = decay + (row * HV + hv).to(tl.int64) * max_window
 
     S = source_tile.to(tl.float32)
     S = replay_tokens(S, corr_row, key_row, decay_row, 0, boundary_len, offs_v, mask_v, offs_k, mask_k, V, K)
@@ -205,7 +202,7 @@ def grouped_commit_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     K_PAD: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, CONV_COLS: tl.constexpr,
     STATE_DTYPE: tl.constexpr, CONV_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
-    TILES_PER_PROGRAM: tl.constexpr, PREFETCH_NEXT_TILE: tl.constexpr,
+    TILES_PER_PROGRAM: tl.constexpr, TILE_STAGES: tl.constexpr,
 ):
     item = tl.program_id(0)
     row = tl.program_id(1)
@@ -234,37 +231,24 @@ def grouped_commit_kernel(
     TILE_ITEMS: tl.constexpr = (TILES + TILES_PER_PROGRAM - 1) // TILES_PER_PROGRAM
     if n > 0:
         if item < TILE_ITEMS:
-            # A source tile is read before anything is stored (the boundary or final slot may be
-            # the source slot itself; other tiles of it are other addresses).
-            if TILES_PER_PROGRAM == 1:
-                tile = load_state_tile(lt, src, item, True, K, V, K_PAD, BV, V_TILES, STATE_DTYPE, ALIGNED)
-                commit_state_tile(lt, row, item, tile, n, final, boundary, boundary_len, max_window,
-                                  null_slot, H, HV, K, V, K_PAD, BV, V_TILES, STATE_DTYPE, ALIGNED)
-            elif PREFETCH_NEXT_TILE:
-                # Several tiles per program share the plan above (a chain of dependent loads),
-                # and the next tile's bytes are requested before the current tile is replayed.
-                first = item * TILES_PER_PROGRAM
-                tile = load_state_tile(lt, src, first, True, K, V, K_PAD, BV, V_TILES, STATE_DTYPE, ALIGNED)
-                for j in range(TILES_PER_PROGRAM):
-                    tile_index = first + j
-                    following = load_state_tile(lt, src, tile_index + 1,
-                                                (j + 1 < TILES_PER_PROGRAM) & (tile_index + 1 < TILES),
-                                                K, V, K_PAD, BV, V_TILES, STATE_DTYPE, ALIGNED)
-                    if tile_index < TILES:
-                        commit_state_tile(lt, row, tile_index, tile, n, final, boundary, boundary_len,
-                                          max_window, null_slot, H, HV, K, V, K_PAD, BV, V_TILES,
-                                          STATE_DTYPE, ALIGNED)
-                    tile = following
-            else:
-                # Several tiles per program share the plan above (a chain of dependent loads).
-                for j in range(TILES_PER_PROGRAM):
-                    tile_index = item * TILES_PER_PROGRAM + j
-                    if tile_index < TILES:
-                        tile = load_state_tile(lt, src, tile_index, True, K, V, K_PAD, BV, V_TILES,
-                                               STATE_DTYPE, ALIGNED)
-                        commit_state_tile(lt, row, tile_index, tile, n, final, boundary, boundary_len,
-                                          max_window, null_slot, H, HV, K, V, K_PAD, BV, V_TILES,
-                                          STATE_DTYPE, ALIGNED)
+            state, slot_stride, head_stride, v_stride = layer_state(lt, STATE_DTYPE, ALIGNED)
+            source = state + src.to(tl.int64) * slot_stride
+            corr = table_pointer(lt, LAYER_CORRECTION, tl.float32, ALIGNED)
+            key = table_pointer(lt, LAYER_KEY, tl.float32, ALIGNED)
+            decay = table_pointer(lt, LAYER_DECAY, tl.float32, False)
+            # Several tiles per program share the plan above (a chain of dependent loads); with
+            # TILE_STAGES > 1 Triton's pipeliner copies the next tiles into shared memory while
+            # the current one is replayed. A source tile is read before anything is stored (the
+            # boundary or final slot may be the source slot itself; other tiles of it are other
+            # addresses).
+            for j in tl.range(TILES_PER_PROGRAM, num_stages=TILE_STAGES):
+                tile_index = item * TILES_PER_PROGRAM + j
+                offsets, mask = tile_offsets(tile_index, head_stride, v_stride, K, V, K_PAD, BV, V_TILES)
+                tile = tl.load(source + offsets, mask=mask & (tile_index < TILES), other=0.0)
+                if tile_index < TILES:
+                    commit_state_tile(state, slot_stride, head_stride, v_stride, corr, key, decay,
+                                      row, tile_index, tile, n, final, boundary, boundary_len, max_window,
+                                      null_slot, H, HV, K, V, K_PAD, BV, V_TILES, STATE_DTYPE)
         else:
             conv = tl.load(lt + LAYER_CONV)
             conv_dim = tl.load(lt + LAYER_CONV_DIM)
