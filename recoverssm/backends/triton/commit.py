@@ -244,7 +244,7 @@ def grouped_commit_kernel(
             for j in tl.range(TILES_PER_PROGRAM, num_stages=TILE_STAGES):
                 tile_index = item * TILES_PER_PROGRAM + j
                 offsets, mask = tile_offsets(tile_index, head_stride, v_stride, K, V, K_PAD, BV, V_TILES)
-                tile = tl.load(source + offsets, mask=mask & (tile_index < TILES), other=0.0)
+                tile = tl.load(source + offsets, mask=tl.where(tile_index < TILES, mask, False), other=0.0)
                 if tile_index < TILES:
                     commit_state_tile(state, slot_stride, head_stride, v_stride, corr, key, decay,
                                       row, tile_index, tile, n, final, boundary, boundary_len, max_window,
