@@ -28,6 +28,9 @@ LAYER_POINTER_COLUMNS = tuple(c.value for c in (LAYER_STATE, LAYER_CORRECTION, L
 GROUP_STATE_INDICES, GROUP_REQUEST_INDICES, GROUP_BLOCK_TABLE, GROUP_BLOCK_TABLE_STRIDE, \
     GROUP_BLOCK_TABLE_WIDTH, GROUP_NUM_COMPUTED, GROUP_BLOCK_SIZE = map(tl.constexpr, range(7))
 GROUP_FIELDS = tl.constexpr(7)
+
+# Window positions whose replay records a commit program hints into L2 up front (PREFETCH_RECORDS).
+PREFETCH_RECORD_TOKENS = tl.constexpr(8)
 GROUP_POINTER_COLUMNS = tuple(c.value for c in (GROUP_STATE_INDICES, GROUP_REQUEST_INDICES,
                                                 GROUP_BLOCK_TABLE, GROUP_NUM_COMPUTED))
 
@@ -168,6 +171,57 @@ def tile_offsets(tile_index, head_stride, v_stride, K: tl.constexpr, V: tl.const
 
 
 @triton.jit
+def record_rows(corr, key, decay, row, tile_index, max_window, H: tl.constexpr, HV: tl.constexpr,
+                K: tl.constexpr, V: tl.constexpr, V_TILES: tl.constexpr):
+    """The replay records of ``row`` that state tile ``tile_index`` reads: its value head's
+    corrections and decays, its q/k head's keys (``[max_window, V]``, ``[max_window]``,
+    ``[max_window, K]`` from the returned pointers)."""
+    hv = tile_index // V_TILES
+    h = hv // (HV // H)
+    return (corr + (row * HV + hv).to(tl.int64) * max_window * V,
+            key + (row * H + h).to(tl.int64) * max_window * K,
+            decay + (row * HV + hv).to(tl.int64) * max_window)
+
+
+@triton.jit
+def prefetch_to_l2(pointers, wanted, fallback):
+    """A hint, no value read: bring the 128-byte lines at ``pointers`` into L2, where ``wanted``
+    (elsewhere ``fallback``, an address known to be valid, so that no hint ever leaves the
+    tensors). PTX: compiled kernels on NVIDIA GPUs only."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                              [tl.where(wanted, pointers, fallback)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_records(corr_row, key_row, n, tile_index, K: tl.constexpr, V: tl.constexpr, K_PAD: tl.constexpr,
+                     BV: tl.constexpr, V_TILES: tl.constexpr, TOKENS: tl.constexpr):
+    """Hint the first ``min(n, TOKENS)`` records of a state tile into L2 (its corrections' rows,
+    its keys): the replay then finds them there instead of waiting for memory token by token."""
+    C_LINES: tl.constexpr = (BV + 31) // 32  # 32 fp32 values per line
+    i = tl.arange(0, TOKENS * C_LINES)
+    t = i // C_LINES
+    v = (tile_index % V_TILES) * BV + (i % C_LINES) * 32
+    prefetch_to_l2(corr_row + t * V + v, (t < n) & (v < V), corr_row)
+    K_LINES: tl.constexpr = (K_PAD + 31) // 32
+    i = tl.arange(0, TOKENS * K_LINES)
+    t = i // K_LINES
+    k = (i % K_LINES) * 32
+    prefetch_to_l2(key_row + t * K + k, (t < n) & (k < K), key_row)
+
+
+@triton.jit
+def prefetch_state_tile(source, tile_index, head_stride, v_stride, K: tl.constexpr, V: tl.constexpr,
+                        K_PAD: tl.constexpr, BV: tl.constexpr, V_TILES: tl.constexpr, STATE_DTYPE: tl.constexpr):
+    """Hint state tile ``tile_index`` of the slot at ``source`` into L2, one hint per line."""
+    LINE: tl.constexpr = 1024 // STATE_DTYPE.primitive_bitwidth  # elements per 128 bytes
+    ROW_LINES: tl.constexpr = (K_PAD + LINE - 1) // LINE
+    i = tl.arange(0, BV * ROW_LINES)
+    v = (tile_index % V_TILES) * BV + i // ROW_LINES
+    k = (i % ROW_LINES) * LINE
+    prefetch_to_l2(source + (tile_index // V_TILES) * head_stride + v * v_stride + k, (v < V) & (k < K), source)
+
+
+@triton.jit
 def commit_state_tile(state, slot_stride, head_stride, v_stride, corr, key, decay,
                       row, tile_index, source_tile, n, final, boundary, boundary_len, max_window, null_slot,
                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -176,16 +230,12 @@ def commit_state_tile(state, slot_stride, head_stride, v_stride, corr, key, deca
     """One ``[BV, K_PAD]`` state tile of one row and layer, already read from the source slot
     (``source_tile``, storage dtype): replay the accepted records (``corr``, ``key``, ``decay``:
     the layer's record pointers), store the boundary and final states."""
-    hv = tile_index // V_TILES
-    h = hv // (HV // H)
     offs_v = (tile_index % V_TILES) * BV + tl.arange(0, BV)
     mask_v = offs_v < V
     offs_k = tl.arange(0, K_PAD)
     mask_k = offs_k < K
     offsets, mask = tile_offsets(tile_index, head_stride, v_stride, K, V, K_PAD, BV, V_TILES)
-    corr_row = corr + (row * HV + hv).to(tl.int64) * max_window * V
-    key_row = key + (row * H + h).to(tl.int64) * max_window * K
-    decay_row = decay + (row * HV + hv).to(tl.int64) * max_window
+    corr_row, key_row, decay_row = record_rows(corr, key, decay, row, tile_index, max_window, H, HV, K, V, V_TILES)
 
     S = source_tile.to(tl.float32)
     S = replay_tokens(S, corr_row, key_row, decay_row, 0, boundary_len, offs_v, mask_v, offs_k, mask_k, V, K)
@@ -202,7 +252,8 @@ def grouped_commit_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     K_PAD: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, CONV_COLS: tl.constexpr,
     STATE_DTYPE: tl.constexpr, CONV_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
-    TILES_PER_PROGRAM: tl.constexpr, TILE_STAGES: tl.constexpr,
+    TILES_PER_PROGRAM: tl.constexpr,
+    PREFETCH_RECORDS: tl.constexpr, PREFETCH_NEXT_TILE: tl.constexpr,
 ):
     item = tl.program_id(0)
     row = tl.program_id(1)
@@ -236,15 +287,25 @@ def grouped_commit_kernel(
             corr = table_pointer(lt, LAYER_CORRECTION, tl.float32, ALIGNED)
             key = table_pointer(lt, LAYER_KEY, tl.float32, ALIGNED)
             decay = table_pointer(lt, LAYER_DECAY, tl.float32, False)
-            # Several tiles per program share the plan above (a chain of dependent loads); with
-            # TILE_STAGES > 1 Triton's pipeliner copies the next tiles into shared memory while
-            # the current one is replayed. A source tile is read before anything is stored (the
-            # boundary or final slot may be the source slot itself; other tiles of it are other
-            # addresses).
-            for j in tl.range(TILES_PER_PROGRAM, num_stages=TILE_STAGES):
-                tile_index = item * TILES_PER_PROGRAM + j
+            first_tile = item * TILES_PER_PROGRAM
+            if PREFETCH_RECORDS:
+                for j in tl.static_range(TILES_PER_PROGRAM):
+                    if first_tile + j < TILES:
+                        corr_row, key_row, _ = record_rows(corr, key, decay, row, first_tile + j, max_window,
+                                                           H, HV, K, V, V_TILES)
+                        prefetch_records(corr_row, key_row, n, first_tile + j, K, V, K_PAD, BV, V_TILES,
+                                         PREFETCH_RECORD_TOKENS)
+            # Several tiles per program share the plan above (a chain of dependent loads). A
+            # source tile is read before anything is stored (the boundary or final slot may be
+            # the source slot itself; other tiles of it are other addresses).
+            for j in range(TILES_PER_PROGRAM):
+                tile_index = first_tile + j
                 offsets, mask = tile_offsets(tile_index, head_stride, v_stride, K, V, K_PAD, BV, V_TILES)
                 tile = tl.load(source + offsets, mask=tl.where(tile_index < TILES, mask, False), other=0.0)
+                if PREFETCH_NEXT_TILE:
+                    if (j + 1 < TILES_PER_PROGRAM) & (tile_index + 1 < TILES):
+                        prefetch_state_tile(source, tile_index + 1, head_stride, v_stride, K, V, K_PAD, BV,
+                                            V_TILES, STATE_DTYPE)
                 if tile_index < TILES:
                     commit_state_tile(state, slot_stride, head_stride, v_stride, corr, key, decay,
                                       row, tile_index, tile, n, final, boundary, boundary_len, max_window,

@@ -23,7 +23,8 @@ class CommitTile(NamedTuple):
     warps: int
     max_registers: Optional[int]
     tiles_per_program: int
-    tile_stages: int
+    prefetch_records: bool
+    prefetch_next_tile: bool
 
 
 @dataclass(frozen=True)
@@ -47,9 +48,9 @@ class LaunchConfig:
     ``commit_max_registers_bf16``: register caps for the commit (more programs per SM keep more
     state bytes in flight); ``commit_tiles_per_program``, ``commit_tiles_per_program_bf16``:
     state tiles one commit program replays in turn, sharing the row's commit plan;
-    ``commit_tile_stages``: with several tiles per program, the pipeline depth of Triton's
-    pipeliner over them (above 1: the next tiles are copied into shared memory while the current
-    one is replayed);
+    ``commit_prefetch_records``, ``commit_prefetch_next_tile``: L2 prefetch hints (PTX, so NVIDIA
+    GPUs only; never under Triton's interpreter) for the replay records of a program's tiles, at
+    its start, and for its next state tile, before the current one is replayed;
     ``conv_block``: channels per conv program.
     ``compile_options``: extra options for every launch (e.g. ``grf_mode`` on Intel GPUs).
     """
@@ -70,7 +71,8 @@ class LaunchConfig:
     commit_max_registers_bf16: Optional[int] = None
     commit_tiles_per_program: int = 1
     commit_tiles_per_program_bf16: Optional[int] = None
-    commit_tile_stages: int = 1
+    commit_prefetch_records: bool = False
+    commit_prefetch_next_tile: bool = False
     conv_block: int = 128
     conv_warps: int = 4
     plan_block: int = 128
@@ -83,9 +85,10 @@ class LaunchConfig:
                               self.commit_warps_bf16 or self.commit_warps,
                               self.commit_max_registers_bf16 or self.commit_max_registers,
                               self.commit_tiles_per_program_bf16 or self.commit_tiles_per_program,
-                              self.commit_tile_stages)
+                              self.commit_prefetch_records, self.commit_prefetch_next_tile)
         return CommitTile(self.commit_block_v, self.commit_warps, self.commit_max_registers,
-                          self.commit_tiles_per_program, self.commit_tile_stages)
+                          self.commit_tiles_per_program, self.commit_prefetch_records,
+                          self.commit_prefetch_next_tile)
 
     def options(self, num_warps: int, num_stages: Optional[int] = None,
                 max_registers: Optional[int] = None) -> dict:

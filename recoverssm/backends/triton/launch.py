@@ -237,7 +237,7 @@ class TritonCommitter(Committer):
         """Fix the launch for ``cfg``: everything but the step's tensors is constant for the
         context, so each commit reuses it (benchmarks/tune_commit.py switches configs here)."""
         self.cfg = cfg
-        block_v, warps, max_registers, tiles_per_program, stages = cfg.commit_tile(self.state_dtype == "bf16")
+        block_v, warps, max_registers, tiles_per_program, prefetch_records, prefetch_next_tile = cfg.commit_tile(self.state_dtype == "bf16")
         block_v = min(block_v, _pow2(self.V))
         tiles = self.HV * triton.cdiv(self.V, block_v)
         tiles_per_program = max(1, min(tiles_per_program, tiles))
@@ -246,7 +246,8 @@ class TritonCommitter(Committer):
                                BD=cfg.conv_block, CONV_COLS=self.conv_cols,
                                STATE_DTYPE=_dtype(self.state_dtype), CONV_DTYPE=_dtype(self.conv_dtype),
                                ALIGNED=self.aligned, TILES_PER_PROGRAM=tiles_per_program,
-                               TILE_STAGES=stages if tiles_per_program > 1 else 1)
+                               PREFETCH_RECORDS=prefetch_records and not interpreting(),
+                               PREFETCH_NEXT_TILE=prefetch_next_tile and tiles_per_program > 1 and not interpreting())
         self.options = cfg.options(warps, max_registers=max_registers)
         self._repeat = None
 
