@@ -19,11 +19,15 @@ class CudaBackend(TritonBackend):
         # A grid of fewer than 792 programs (N <= 4 at HV = 48) takes 4 rows per thread, capped to
         # fit 12 warps per SM: twice the programs still fit one wave (132 SMs x 12 / 2). Larger
         # grids keep 8 rows: at N = 8 the small tile needed a second wave (docs/BENCHMARKS.md).
-        # bf16 commits: 32 V rows x 2 warps at 128 registers, 4 tiles per program (one plan for
-        # four tiles): 0.832x -> 0.899x copy at 64 requests, 0.812x -> 0.859x at 8 (tune_commit).
+        # Commits hint each program's replay records into L2 up front (the replay otherwise
+        # waits on memory token by token); bf16 commits: 16 V rows x 1 warp at 128 registers, 2
+        # tiles per program (one plan for both), the second tile hinted into L2 while the first
+        # is replayed: 0.904x -> 0.927x copy at 64 requests, 0.863x -> 0.898x at 8; fp32 0.920x
+        # -> 0.922x (tune_commit, docs/BENCHMARKS.md).
         None: LaunchConfig(gdn_small_grid_programs=792, gdn_small_grid_rows=4, gdn_small_grid_max_registers=168,
-                           commit_block_v_bf16=32, commit_warps_bf16=2, commit_max_registers_bf16=128,
-                           commit_tiles_per_program_bf16=4),
+                           commit_block_v_bf16=16, commit_warps_bf16=1, commit_max_registers_bf16=128,
+                           commit_tiles_per_program_bf16=2, commit_prefetch_records=True,
+                           commit_prefetch_next_tile=True),
     }
 
     def device_present(self) -> bool:
