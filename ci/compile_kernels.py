@@ -125,14 +125,14 @@ def cases(cfg: LaunchConfig, K=128, V=128, H=16, HV=48):
             "out_ptr": "*bf16"}, cfg.options(cfg.conv_warps))
     yield ("plan_commit", plan_commit_kernel, dict(BLOCK=cfg.plan_block), {**ints, "bt_stride": "i64"}, cfg.options(4))
     for state, st in (("fp32", tl.float32), ("bf16", tl.bfloat16)):
-        block_v, warps, max_registers, tiles_per_program, prefetch_records, prefetch_next_tile = cfg.commit_tile(st == tl.bfloat16)
+        tile = cfg.commit_tile(st == tl.bfloat16)
         yield (f"grouped_commit state={state}", grouped_commit_kernel,
-               dict(H=H, HV=HV, K=K, V=V, K_PAD=K, BV=block_v, BD=cfg.conv_block,
+               dict(H=H, HV=HV, K=K, V=V, K_PAD=K, BV=tile.block_v, BD=cfg.conv_block,
                     CONV_COLS=4, STATE_DTYPE=st, CONV_DTYPE=tl.bfloat16, ALIGNED=True,
-                    TILES_PER_PROGRAM=tiles_per_program, PREFETCH_RECORDS=prefetch_records,
-                    PREFETCH_NEXT_TILE=prefetch_next_tile and tiles_per_program > 1),
+                    TILES_PER_PROGRAM=tile.tiles_per_program, PREFETCH_RECORDS=tile.prefetch_records,
+                    PREFETCH_NEXT_TILE=tile.prefetch_next_tile and tile.tiles_per_program > 1),
                {**ints, "layer_table_ptr": "*i64", "group_table_ptr": "*i64"},
-               cfg.options(warps, max_registers=max_registers))
+               cfg.options(tile.warps, max_registers=tile.max_registers))
 
 
 def main(argv=None) -> int:

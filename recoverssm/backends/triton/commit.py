@@ -7,9 +7,10 @@ scalars inside the commit kernel (no separate plan launch) and on vectors in ``p
 the layer, axis 1 the batch row, axis 0 the work item: the ``HV * cdiv(V, BV)`` state tiles,
 ``TILES_PER_PROGRAM`` per program, then the conv-compaction blocks of that layer and row. A
 program computes the row's commit plan once, whatever the tiles it replays (``commit_state_tile``:
-one tile, one pass). Per-layer base pointers and strides come from an
-int64 device table built once per commit context (``LAYER_*`` columns); per-group pointers to the
-step's index tensors come from a second small table (``GROUP_*`` columns).
+one tile, one pass), and may hint the records and its next tile into L2 first. Per-layer base
+pointers and strides come from an int64 device table built once per commit context (``LAYER_*``
+columns); pointers to the step's index tensors of each layer's KV-cache group come from a second
+small table, also one row per layer (``GROUP_*`` columns).
 """
 import triton
 import triton.language as tl
@@ -20,19 +21,19 @@ from .numerics import to_storage
 LAYER_STATE, LAYER_STATE_SLOT_STRIDE, LAYER_STATE_HEAD_STRIDE, LAYER_STATE_V_STRIDE, \
     LAYER_NUM_SLOTS, LAYER_CORRECTION, LAYER_KEY, LAYER_DECAY, LAYER_MAX_WINDOW, \
     LAYER_CONV, LAYER_CONV_SLOT_STRIDE, LAYER_CONV_DIM_STRIDE, LAYER_CONV_COL_STRIDE, \
-    LAYER_CONV_DIM, LAYER_CONV_HISTORY, LAYER_GROUP = map(tl.constexpr, range(16))
-LAYER_FIELDS = tl.constexpr(16)
+    LAYER_CONV_DIM, LAYER_CONV_HISTORY = map(tl.constexpr, range(15))
+LAYER_FIELDS = tl.constexpr(15)
 LAYER_POINTER_COLUMNS = tuple(c.value for c in (LAYER_STATE, LAYER_CORRECTION, LAYER_KEY, LAYER_DECAY, LAYER_CONV))
 
 # Columns of the per-group table (int64); a zero pointer means "not given".
 GROUP_STATE_INDICES, GROUP_REQUEST_INDICES, GROUP_BLOCK_TABLE, GROUP_BLOCK_TABLE_STRIDE, \
     GROUP_BLOCK_TABLE_WIDTH, GROUP_NUM_COMPUTED, GROUP_BLOCK_SIZE = map(tl.constexpr, range(7))
 GROUP_FIELDS = tl.constexpr(7)
+GROUP_POINTER_COLUMNS = tuple(c.value for c in (GROUP_STATE_INDICES, GROUP_REQUEST_INDICES,
+                                                GROUP_BLOCK_TABLE, GROUP_NUM_COMPUTED))
 
 # Window positions whose replay records a commit program hints into L2 up front (PREFETCH_RECORDS).
 PREFETCH_RECORD_TOKENS = tl.constexpr(8)
-GROUP_POINTER_COLUMNS = tuple(c.value for c in (GROUP_STATE_INDICES, GROUP_REQUEST_INDICES,
-                                                GROUP_BLOCK_TABLE, GROUP_NUM_COMPUTED))
 
 
 @triton.jit
@@ -173,9 +174,9 @@ def tile_offsets(tile_index, head_stride, v_stride, K: tl.constexpr, V: tl.const
 @triton.jit
 def record_rows(corr, key, decay, row, tile_index, max_window, H: tl.constexpr, HV: tl.constexpr,
                 K: tl.constexpr, V: tl.constexpr, V_TILES: tl.constexpr):
-    """The replay records of ``row`` that state tile ``tile_index`` reads: its value head's
-    corrections and decays, its q/k head's keys (``[max_window, V]``, ``[max_window]``,
-    ``[max_window, K]`` from the returned pointers)."""
+    """Pointers to the replay records of ``row`` that state tile ``tile_index`` reads: its value
+    head's corrections (``[max_window, V]``), its q/k head's keys (``[max_window, K]``) and its
+    value head's decays (``[max_window]``)."""
     hv = tile_index // V_TILES
     h = hv // (HV // H)
     return (corr + (row * HV + hv).to(tl.int64) * max_window * V,
@@ -261,8 +262,7 @@ def grouped_commit_kernel(
     V_TILES: tl.constexpr = (V + BV - 1) // BV
 
     lt = layer_table_ptr + layer * LAYER_FIELDS
-    group = tl.load(lt + LAYER_GROUP)
-    gt = group_table_ptr + group * GROUP_FIELDS
+    gt = group_table_ptr + layer * GROUP_FIELDS
     request_indices = tl.load(gt + GROUP_REQUEST_INDICES)
     block_table = tl.load(gt + GROUP_BLOCK_TABLE)
     max_window = tl.load(lt + LAYER_MAX_WINDOW).to(tl.int32)

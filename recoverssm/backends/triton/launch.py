@@ -1,8 +1,8 @@
 """Python launchers of the shared Triton kernels: tensors and scalars in, named tensors written.
 
 Both GPU backends call these with their own :class:`LaunchConfig` table; nothing here allocates
-device memory except the commit tables (once per commit context, and the tiny per-group table
-when a step brings new index tensors).
+device memory except the commit tables (once per commit context, and the tiny table of the
+step's index tensors when a step brings new ones).
 """
 from __future__ import annotations
 
@@ -178,9 +178,10 @@ class TritonCommitter(Committer):
     """Grouped commit in one launch through device pointer tables.
 
     The per-layer table (pointers and strides of state, records and conv state) is built and
-    uploaded once, here. The per-group table points at the step's index tensors; it is cached by
-    those tensors' addresses, so an engine that reuses persistent index buffers (as it must under
-    CUDA graphs) uploads it once and then launches nothing but the commit kernel.
+    uploaded once, here. The group table points at the step's index tensors, each group's row
+    repeated for each of its layers; it is cached by those tensors' addresses, so an engine that
+    reuses persistent index buffers (as it must under CUDA graphs) uploads it once and then
+    launches nothing but the commit kernel.
     """
 
     def __init__(self, cfg: LaunchConfig, encoding: PointerEncoding, device_guard,
@@ -226,7 +227,8 @@ class TritonCommitter(Committer):
                 cs.data_ptr() if cs is not None else 0,
                 cs.stride(0) if cs is not None else 0, cs.stride(1) if cs is not None else 0,
                 cs.stride(2) if cs is not None else 0, cs.shape[1] if cs is not None else 0,
-                layer.conv_history, layer.group])
+                layer.conv_history])
+        self.layer_groups = [layer.group for layer in layers]
         self.layer_table = self._upload(rows, (commit_kernels.LAYER_FIELDS.value,), pointer_columns=commit_kernels.LAYER_POINTER_COLUMNS)
         self.set_config(cfg)
         self._group_key = None
@@ -237,18 +239,20 @@ class TritonCommitter(Committer):
         """Fix the launch for ``cfg``: everything but the step's tensors is constant for the
         context, so each commit reuses it (benchmarks/tune_commit.py switches configs here)."""
         self.cfg = cfg
-        block_v, warps, max_registers, tiles_per_program, prefetch_records, prefetch_next_tile = cfg.commit_tile(self.state_dtype == "bf16")
-        block_v = min(block_v, _pow2(self.V))
+        tile = cfg.commit_tile(self.state_dtype == "bf16")
+        block_v = min(tile.block_v, _pow2(self.V))
         tiles = self.HV * triton.cdiv(self.V, block_v)
-        tiles_per_program = max(1, min(tiles_per_program, tiles))
+        tiles_per_program = max(1, min(tile.tiles_per_program, tiles))
         self.items = triton.cdiv(tiles, tiles_per_program) + triton.cdiv(self.max_conv_dim, cfg.conv_block)
         self.constexprs = dict(H=self.H, HV=self.HV, K=self.K, V=self.V, K_PAD=_pow2(self.K), BV=block_v,
                                BD=cfg.conv_block, CONV_COLS=self.conv_cols,
                                STATE_DTYPE=_dtype(self.state_dtype), CONV_DTYPE=_dtype(self.conv_dtype),
                                ALIGNED=self.aligned, TILES_PER_PROGRAM=tiles_per_program,
-                               PREFETCH_RECORDS=prefetch_records and not interpreting(),
-                               PREFETCH_NEXT_TILE=prefetch_next_tile and tiles_per_program > 1 and not interpreting())
-        self.options = cfg.options(warps, max_registers=max_registers)
+                               # The hints are PTX, which Triton's interpreter cannot run.
+                               PREFETCH_RECORDS=tile.prefetch_records and not interpreting(),
+                               PREFETCH_NEXT_TILE=tile.prefetch_next_tile and tiles_per_program > 1
+                               and not interpreting())
+        self.options = cfg.options(tile.warps, max_registers=tile.max_registers)
         self._repeat = None
 
     def _upload(self, rows, shape, pointer_columns) -> torch.Tensor:
@@ -284,7 +288,9 @@ class TritonCommitter(Committer):
                 g.block_size if bt is not None else 1])
         key = tuple(map(tuple, rows))
         if key != self._group_key:
-            self._group_table = self._upload(rows, (commit_kernels.GROUP_FIELDS.value,), pointer_columns=commit_kernels.GROUP_POINTER_COLUMNS)
+            # One row per layer (its group's row): the kernel finds the step's index tensors
+            # without first looking up the layer's group, one dependent load less per program.
+            self._group_table = self._upload([rows[g] for g in self.layer_groups], (commit_kernels.GROUP_FIELDS.value,), pointer_columns=commit_kernels.GROUP_POINTER_COLUMNS)
             self._group_key = key
         self._group_steps = groups
         return self._group_table
