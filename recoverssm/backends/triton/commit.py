@@ -9,8 +9,8 @@ the layer, axis 1 the batch row, axis 0 the work item: the ``HV * cdiv(V, BV)`` 
 program computes the row's commit plan once, whatever the tiles it replays (``commit_state_tile``:
 one tile, one pass), and may hint the records and its next tile into L2 first. Per-layer base
 pointers and strides come from an int64 device table built once per commit context (``LAYER_*``
-columns); pointers to the step's index tensors of each layer's KV-cache group come from a second
-small table, also one row per layer (``GROUP_*`` columns).
+columns); per-group pointers to the step's index tensors come from a second small table
+(``GROUP_*`` columns).
 """
 import triton
 import triton.language as tl
@@ -21,8 +21,8 @@ from .numerics import to_storage
 LAYER_STATE, LAYER_STATE_SLOT_STRIDE, LAYER_STATE_HEAD_STRIDE, LAYER_STATE_V_STRIDE, \
     LAYER_NUM_SLOTS, LAYER_CORRECTION, LAYER_KEY, LAYER_DECAY, LAYER_MAX_WINDOW, \
     LAYER_CONV, LAYER_CONV_SLOT_STRIDE, LAYER_CONV_DIM_STRIDE, LAYER_CONV_COL_STRIDE, \
-    LAYER_CONV_DIM, LAYER_CONV_HISTORY = map(tl.constexpr, range(15))
-LAYER_FIELDS = tl.constexpr(15)
+    LAYER_CONV_DIM, LAYER_CONV_HISTORY, LAYER_GROUP = map(tl.constexpr, range(16))
+LAYER_FIELDS = tl.constexpr(16)
 LAYER_POINTER_COLUMNS = tuple(c.value for c in (LAYER_STATE, LAYER_CORRECTION, LAYER_KEY, LAYER_DECAY, LAYER_CONV))
 
 # Columns of the per-group table (int64); a zero pointer means "not given".
@@ -262,7 +262,8 @@ def grouped_commit_kernel(
     V_TILES: tl.constexpr = (V + BV - 1) // BV
 
     lt = layer_table_ptr + layer * LAYER_FIELDS
-    gt = group_table_ptr + layer * GROUP_FIELDS
+    group = tl.load(lt + LAYER_GROUP)
+    gt = group_table_ptr + group * GROUP_FIELDS
     request_indices = tl.load(gt + GROUP_REQUEST_INDICES)
     block_table = tl.load(gt + GROUP_BLOCK_TABLE)
     max_window = tl.load(lt + LAYER_MAX_WINDOW).to(tl.int32)

@@ -1,8 +1,8 @@
 """Python launchers of the shared Triton kernels: tensors and scalars in, named tensors written.
 
 Both GPU backends call these with their own :class:`LaunchConfig` table; nothing here allocates
-device memory except the commit tables (once per commit context, and the tiny table of the
-step's index tensors when a step brings new ones).
+device memory except the commit tables (once per commit context, and the tiny per-group table
+when a step brings new index tensors).
 """
 from __future__ import annotations
 
@@ -178,10 +178,9 @@ class TritonCommitter(Committer):
     """Grouped commit in one launch through device pointer tables.
 
     The per-layer table (pointers and strides of state, records and conv state) is built and
-    uploaded once, here. The group table points at the step's index tensors, each group's row
-    repeated for each of its layers; it is cached by those tensors' addresses, so an engine that
-    reuses persistent index buffers (as it must under CUDA graphs) uploads it once and then
-    launches nothing but the commit kernel.
+    uploaded once, here. The per-group table points at the step's index tensors; it is cached by
+    those tensors' addresses, so an engine that reuses persistent index buffers (as it must under
+    CUDA graphs) uploads it once and then launches nothing but the commit kernel.
     """
 
     def __init__(self, cfg: LaunchConfig, encoding: PointerEncoding, device_guard,
@@ -227,8 +226,7 @@ class TritonCommitter(Committer):
                 cs.data_ptr() if cs is not None else 0,
                 cs.stride(0) if cs is not None else 0, cs.stride(1) if cs is not None else 0,
                 cs.stride(2) if cs is not None else 0, cs.shape[1] if cs is not None else 0,
-                layer.conv_history])
-        self.layer_groups = [layer.group for layer in layers]
+                layer.conv_history, layer.group])
         self.layer_table = self._upload(rows, (commit_kernels.LAYER_FIELDS.value,), pointer_columns=commit_kernels.LAYER_POINTER_COLUMNS)
         self.set_config(cfg)
         self._group_key = None
@@ -288,9 +286,7 @@ class TritonCommitter(Committer):
                 g.block_size if bt is not None else 1])
         key = tuple(map(tuple, rows))
         if key != self._group_key:
-            # One row per layer (its group's row): the kernel finds the step's index tensors
-            # without first looking up the layer's group, one dependent load less per program.
-            self._group_table = self._upload([rows[g] for g in self.layer_groups], (commit_kernels.GROUP_FIELDS.value,), pointer_columns=commit_kernels.GROUP_POINTER_COLUMNS)
+            self._group_table = self._upload(rows, (commit_kernels.GROUP_FIELDS.value,), pointer_columns=commit_kernels.GROUP_POINTER_COLUMNS)
             self._group_key = key
         self._group_steps = groups
         return self._group_table
