@@ -35,7 +35,8 @@ def configs(grid):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--grid", help="comma-separated ROWSxWARPS[xMAXNREG[xTILES[xPREFETCH]]] (PREFETCH: 1 records, 2 next tile, 3 both) (0 = no cap)")
+    ap.add_argument("--grid", help="comma-separated ROWSxWARPS[xMAXNREG[xTILES[xPREFETCH]]] (MAXNREG 0 = no "
+                                   "cap; PREFETCH: 1 hints the records, 2 the next tile, 3 both)")
     args = ap.parse_args()
     ceiling = CopyCeiling("cuda")
     cases = [("12L x 8req fp32", 1, 12, 8, torch.float32), ("3x6L x 64req bf16", 3, 6, 64, torch.bfloat16),
@@ -56,8 +57,8 @@ def main():
                                                    commit_prefetch_next_tile=bool(prefetch & 2)))
             us = median_us([functools.partial(ctx.commit, step.num_accepted, step.state_indices,
                                               step.query_start_loc, **kw)], iters=40)
-            row = dict(case=name, bv=bv, warps=warps, maxnreg=cap, tiles=tiles, prefetch=prefetch, us=round(us, 1),
-                       vs_copy=round(ceiling.us(traffic) / us, 3))
+            row = dict(case=name, bv=bv, warps=warps, maxnreg=cap, tiles=tiles, prefetch=prefetch,
+                       us=round(us, 1), vs_copy=round(ceiling.us(traffic) / us, 3))
             results.append(row)
             print(row, flush=True)
         del ctx, caches
