@@ -223,19 +223,19 @@ def prefetch_state_tile(source, tile_index, head_stride, v_stride, K: tl.constex
 
 
 @triton.jit
-def commit_state_tile(state, slot_stride, head_stride, v_stride, corr, key, decay,
+def commit_state_tile(state, slot_stride, offsets, mask, corr, key, decay,
                       row, tile_index, source_tile, n, final, boundary, boundary_len, max_window, null_slot,
                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                       K_PAD: tl.constexpr, BV: tl.constexpr, V_TILES: tl.constexpr,
                       STATE_DTYPE: tl.constexpr):
-    """One ``[BV, K_PAD]`` state tile of one row and layer, already read from the source slot
-    (``source_tile``, storage dtype): replay the accepted records (``corr``, ``key``, ``decay``:
-    the layer's record pointers), store the boundary and final states."""
+    """One ``[BV, K_PAD]`` state tile of one row and layer (``offsets``, ``mask``: from
+    ``tile_offsets``), already read from the source slot (``source_tile``, storage dtype): replay
+    the accepted records (``corr``, ``key``, ``decay``: the layer's record pointers), store the
+    boundary and final states."""
     offs_v = (tile_index % V_TILES) * BV + tl.arange(0, BV)
     mask_v = offs_v < V
     offs_k = tl.arange(0, K_PAD)
     mask_k = offs_k < K
-    offsets, mask = tile_offsets(tile_index, head_stride, v_stride, K, V, K_PAD, BV, V_TILES)
     corr_row, key_row, decay_row = record_rows(corr, key, decay, row, tile_index, max_window, H, HV, K, V, V_TILES)
 
     S = source_tile.to(tl.float32)
@@ -308,7 +308,7 @@ def grouped_commit_kernel(
                         prefetch_state_tile(source, tile_index + 1, head_stride, v_stride, K, V, K_PAD, BV,
                                             V_TILES, STATE_DTYPE)
                 if tile_index < TILES:
-                    commit_state_tile(state, slot_stride, head_stride, v_stride, corr, key, decay,
+                    commit_state_tile(state, slot_stride, offsets, mask, corr, key, decay,
                                       row, tile_index, tile, n, final, boundary, boundary_len, max_window,
                                       null_slot, H, HV, K, V, K_PAD, BV, V_TILES, STATE_DTYPE)
         else:
