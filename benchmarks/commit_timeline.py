@@ -1,0 +1,195 @@
+"""Per-program timeline of the grouped commit kernel on a GPU: where a commit's time goes between
+the grid's fill, its steady state and its drain.
+
+    python benchmarks/commit_timeline.py                 # prints a table, writes $OUT/commit_timeline.json
+
+The library's kernel source is compiled a second time with four time stamps added (nothing else
+changes): when a program starts, when its commit plan is known (the stamp waits for the plan's
+values), when it has issued its last store, and its SM. Stamps are the GPU's global timer
+(``%globaltimer``, comparable across SMs) and the SM's cycle counter (``%clock64``, for durations
+within a program). For each case the script reports the stamped kernel's span next to the
+library kernel's time (CUDA events, the same step), so the stamps' own cost shows, and from the
+stamps: programs resident over time, the median program life and plan wait, and how long the
+grid takes to fill (the first program to finish) and to drain (from the last program's start to
+the end), with the share of resident-program time lost while fewer than the peak were resident.
+The copy ceiling of the same bytes is timed at several sizes too: its intercept is the fixed
+cost any kernel of these bytes pays, next to the commit's.
+"""
+import functools
+import json
+import os
+import re
+import statistics
+import sys
+import types
+
+import torch
+
+from recoverssm.backends.triton import commit as commit_module
+from recoverssm.backends.triton import launch
+from recoverssm.bench.problems import align_step, commit_context
+from recoverssm.bench.timing import CopyCeiling, median_us
+
+H, HV, K, V, T = 16, 48, 128, 128, 4
+STAMPS = 7   # global timer at start, plan, end; clock64 at start, plan, end; SM id
+
+_STAMP_HELPERS = '''
+@triton.jit
+def _global_time_after(dependency):
+    """%globaltimer, read only once ``dependency`` (an int32) is available."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $1, -123456789; mov.u64 $0, 0; @p mov.u64 $0, %globaltimer; }",
+        "=l,r", [dependency], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _clock_after(dependency):
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $1, -123456789; mov.u64 $0, 0; @p mov.u64 $0, %clock64; }",
+        "=l,r", [dependency], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _sm_id():
+    return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+'''
+
+
+# Stamp number {0} (0 start, 1 plan known, 2 end) of this program, stored at once so that no
+# register holds it across the program: global time at column {0}, clock at {0} + 3, SM at 6.
+_STAMP = """    _rec = timeline_ptr + ((layer * tl.num_programs(1) + row) * tl.num_programs(0) + item).to(tl.int64) * 7
+    tl.store(_rec + {0}, _global_time_after({1}))
+    tl.store(_rec + {0} + 3, _clock_after({1}))
+    tl.store(_rec + 6, _sm_id().to(tl.int64))
+"""
+
+
+def _replace_once(text: str, old: str, new: str) -> str:
+    if text.count(old) != 1:
+        raise RuntimeError(f"commit.py changed: {old!r} found {text.count(old)} times; update this script")
+    return text.replace(old, new)
+
+
+def stamped_kernel():
+    """The library's ``grouped_commit_kernel`` compiled from its own source with the stamps added
+    and one more runtime argument, ``timeline_ptr`` (int64 ``[programs, STAMPS]``)."""
+    source = open(commit_module.__file__).read()
+    source = _replace_once(source, "from .numerics import to_storage",
+                           "from recoverssm.backends.triton.numerics import to_storage\n" + _STAMP_HELPERS)
+    source = _replace_once(source, "    num_requests, null_slot,\n    H: tl.constexpr",
+                           "    num_requests, null_slot, timeline_ptr,\n    H: tl.constexpr")
+    source = _replace_once(source, "    layer = tl.program_id(2)\n",
+                           "    layer = tl.program_id(2)\n" + _STAMP.format(0, "item"))
+    plan_end = "        num_requests, null_slot, num_slots, max_window)\n"
+    source = _replace_once(source, plan_end, plan_end + _STAMP.format(1, "n + src + final + boundary + boundary_len"))
+    # the kernel is the file's last function: its end is the end of the file
+    body_end = re.search(r"\n*\Z", source).start()
+    source = source[:body_end] + "\n" + _STAMP.format(2, "item")
+    module = types.ModuleType("recoverssm_commit_stamped")
+    module.__file__ = os.path.join(os.environ.get("OUT", "/tmp"), "recoverssm_commit_stamped.py")
+    with open(module.__file__, "w") as f:      # Triton reads a jit function's source from its file
+        f.write(source)
+    sys.modules[module.__name__] = module
+    exec(compile(source, module.__file__, "exec"), module.__dict__)
+    return module.grouped_commit_kernel
+
+
+class StampedLaunch:
+    """Stands in for ``launch._GROUPED_COMMIT``: launches the stamped kernel into ``self.timeline``."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.timeline = None
+
+    def __call__(self, grid, args, constexprs, options):
+        programs = grid[0] * grid[1] * grid[2]
+        self.timeline = torch.zeros(programs, STAMPS, dtype=torch.int64, device=args[0].device)
+        self.kernel[tuple(grid)](*args, self.timeline, **constexprs, **options)
+
+
+def analyse(timeline: torch.Tensor, bins: int = 200) -> dict:
+    tl_ = timeline.cpu()
+    start, plan, end = tl_[:, 0].double(), tl_[:, 1].double(), tl_[:, 2].double()
+    t0 = start.min()
+    start, plan, end = (start - t0) / 1e3, (plan - t0) / 1e3, (end - t0) / 1e3      # us
+    span = float(end.max())
+    cycles_life = (tl_[:, 5] - tl_[:, 3]).double()
+    cycles_plan = (tl_[:, 4] - tl_[:, 3]).double()
+    edges = torch.linspace(0, span, bins + 1, dtype=torch.float64)
+    mid = (edges[:-1] + edges[1:]) / 2
+    resident = ((start[None, :] <= mid[:, None]) & (end[None, :] > mid[:, None])).sum(1).double()
+    peak = float(resident.max())
+    lost = float((1 - resident / peak).sum() / bins)          # share of span x peak slots left idle
+    first_end = float(end.min())
+    last_start = float(start.max())
+    drain_lost = float(((1 - resident / peak) * (mid >= last_start)).sum() / bins * span)
+    fill_lost = float(((1 - resident / peak) * (mid < first_end)).sum() / bins * span)
+    quantum = float(torch.diff(torch.unique(tl_[:, 0])).min()) if tl_.shape[0] > 1 else 0.0
+    return dict(programs=tl_.shape[0], span_us=round(span, 2), peak_resident=int(peak),
+                sms=int(torch.unique(tl_[:, 6]).numel()),
+                life_us_median=round(float((end - start).median()), 2),
+                plan_wait_us_median=round(float((plan - start).median()), 2),
+                life_cycles_median=int(cycles_life.median()), plan_wait_cycles_median=int(cycles_plan.median()),
+                first_end_us=round(first_end, 2), last_start_us=round(last_start, 2),
+                idle_share=round(lost, 4), fill_idle_us=round(fill_lost, 2), drain_idle_us=round(drain_lost, 2),
+                timer_quantum_ns=quantum,
+                resident_profile=[int(r) for r in resident[:: max(1, bins // 40)]])
+
+
+def main():
+    out = os.environ.get("OUT")
+    ceiling = CopyCeiling("cuda")
+    stamped = StampedLaunch(stamped_kernel())
+    library = launch._GROUPED_COMMIT
+    rows = []
+    for G, L, R, dtype in [(3, 6, 8, torch.bfloat16), (3, 6, 16, torch.bfloat16), (3, 6, 32, torch.bfloat16),
+                           (3, 6, 64, torch.bfloat16), (1, 12, 8, torch.float32), (3, 6, 8, torch.float32),
+                           (3, 6, 64, torch.float32)]:
+        step = align_step(R, T)
+        ctx, caches = commit_context(G, L, R, T, H, HV, K, V, step.num_slots, dtype)
+        kw = dict(block_table=step.block_table, num_computed_tokens=step.num_computed_tokens,
+                  block_size=step.block_size)
+        state = HV * V * K * torch.tensor([], dtype=dtype).element_size()
+        accepted = step.num_accepted.sum().item()
+        traffic = G * L * (state * (2 * R + step.boundaries) + accepted * (HV * V + H * K + HV) * 4)
+
+        call = functools.partial(ctx.commit, step.num_accepted, step.state_indices, step.query_start_loc, **kw)
+
+        launch._GROUPED_COMMIT = library
+        us = median_us([call], iters=40)
+        copy_us = ceiling.us(traffic)
+        launch._GROUPED_COMMIT = stamped
+        spans = []
+        for _ in range(5):
+            call()
+            torch.cuda.synchronize()
+            spans.append((stamped.timeline, analyse(stamped.timeline)))
+        launch._GROUPED_COMMIT = library
+        timeline, stats = sorted(spans, key=lambda s: s[1]["span_us"])[len(spans) // 2]
+        row = dict(case=f"{G}x{L}L x {R}req {str(dtype).split('.')[-1]}", traffic_mb=round(traffic / 1e6, 1),
+                   commit_us=round(us, 1), copy_us=round(copy_us, 1), vs_copy=round(copy_us / us, 3),
+                   stamped_span_us=[s["span_us"] for _, s in spans], **stats)
+        rows.append(row)
+        print({k: v for k, v in row.items() if k != "resident_profile"}, flush=True)
+        print("  resident:", row["resident_profile"], flush=True)
+        if out:
+            torch.save(timeline.cpu(), os.path.join(out, f"timeline_{G}x{L}_{R}_{str(dtype).split('.')[-1]}.pt"))
+        del ctx, caches
+        torch.cuda.empty_cache()
+    # the copy's fixed cost: time against bytes at the commit cases' sizes
+    copies = [(mb, ceiling.us(int(mb * 1e6))) for mb in (100, 200, 400, 800, 1600, 3200)]
+    slope = statistics.linear_regression([m for m, _ in copies], [u for _, u in copies])
+    print("copy us vs MB:", copies, "intercept us:", round(slope.intercept, 2), flush=True)
+    for dtype in ("bfloat16", "float32"):
+        pts = [(r["traffic_mb"], r["commit_us"]) for r in rows if r["case"].startswith("3x6L") and r["case"].endswith(dtype)]
+        if len(pts) >= 2:
+            fit = statistics.linear_regression([m for m, _ in pts], [u for _, u in pts])
+            print(f"commit {dtype} 3x6L us vs MB: slope {fit.slope:.4f} us/MB, intercept {fit.intercept:.2f} us "
+                  f"(copy: {slope.slope:.4f} us/MB, {slope.intercept:.2f} us)", flush=True)
+    if out:
+        with open(os.path.join(out, "commit_timeline.json"), "w") as f:
+            json.dump(dict(rows=rows, copy=copies), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
