@@ -106,6 +106,9 @@ class StampedLaunch:
         self.timeline = torch.zeros(programs, STAMPS, dtype=torch.int64, device=args[0].device)
         self.kernel[tuple(grid)](*args, self.timeline, **constexprs, **options)
 
+    def bind(self, *launch):
+        return None        # never repeat a bound launch: each call stamps a fresh timeline
+
 
 def analyse(timeline: torch.Tensor, bins: int = 200) -> dict:
     tl_ = timeline.cpu()
@@ -159,6 +162,7 @@ def main():
         us = median_us([call], iters=40)
         copy_us = ceiling.us(traffic)
         launch._GROUPED_COMMIT = stamped
+        ctx._committer._repeat = None       # the library's bound launch would bypass the stand-in
         spans = []
         for _ in range(5):
             call()
