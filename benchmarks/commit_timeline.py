@@ -2,6 +2,8 @@
 the grid's fill, its steady state and its drain.
 
     python benchmarks/commit_timeline.py                 # prints a table, writes $OUT/commit_timeline.json
+    python benchmarks/commit_timeline.py --bf16-programs-per-sm 16 --fp32-programs-per-sm 8
+                                                         # the same with persistent grids
 
 The library's kernel source is compiled a second time with four time stamps added (nothing else
 changes): when a program starts, when its commit plan is known (the stamp waits for the plan's
@@ -15,6 +17,8 @@ the end), with the share of resident-program time lost while fewer than the peak
 The copy ceiling of the same bytes is timed at several sizes too: its intercept is the fixed
 cost any kernel of these bytes pays, next to the commit's.
 """
+import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -55,12 +59,12 @@ def _sm_id():
 '''
 
 
-# Stamp number {0} (0 start, 1 plan known, 2 end) of this program, stored at once so that no
-# register holds it across the program: global time at column {0}, clock at {0} + 3, SM at 6.
-_STAMP = """    _rec = timeline_ptr + ((layer * tl.num_programs(1) + row) * tl.num_programs(0) + item).to(tl.int64) * 7
-    tl.store(_rec + {0}, _global_time_after({1}))
-    tl.store(_rec + {0} + 3, _clock_after({1}))
-    tl.store(_rec + 6, _sm_id().to(tl.int64))
+# Stamp number {0} (0 work item started, 1 its commit plan known, 2 ended) of the work item whose
+# record is ``_rec``, stored at once so that no register holds it: global time at column {0},
+# clock at {0} + 3, SM at 6.
+_STAMP = """{2}tl.store(_rec + {0}, _global_time_after({1}))
+{2}tl.store(_rec + {0} + 3, _clock_after({1}))
+{2}tl.store(_rec + 6, _sm_id().to(tl.int64))
 """
 
 
@@ -72,19 +76,23 @@ def _replace_once(text: str, old: str, new: str) -> str:
 
 def stamped_kernel():
     """The library's ``grouped_commit_kernel`` compiled from its own source with the stamps added
-    and one more runtime argument, ``timeline_ptr`` (int64 ``[programs, STAMPS]``)."""
+    and one more runtime argument, ``timeline_ptr`` (int64 ``[work items, STAMPS]``)."""
     source = open(commit_module.__file__).read()
     source = _replace_once(source, "from .numerics import to_storage",
                            "from recoverssm.backends.triton.numerics import to_storage\n" + _STAMP_HELPERS)
-    source = _replace_once(source, "    num_requests, null_slot,\n    H: tl.constexpr",
-                           "    num_requests, null_slot, timeline_ptr,\n    H: tl.constexpr")
-    source = _replace_once(source, "    layer = tl.program_id(2)\n",
-                           "    layer = tl.program_id(2)\n" + _STAMP.format(0, "item"))
+    source = _replace_once(source, "    num_requests, null_slot, batch, num_layers,\n",
+                           "    num_requests, null_slot, batch, num_layers, timeline_ptr,\n")
+    source = _replace_once(source, "                     item, row, layer,\n", "                     item, row, layer, _rec,\n")
     plan_end = "        num_requests, null_slot, num_slots, max_window)\n"
-    source = _replace_once(source, plan_end, plan_end + _STAMP.format(1, "n + src + final + boundary + boundary_len"))
-    # the kernel is the file's last function: its end is the end of the file
+    source = _replace_once(source, plan_end, plan_end + _STAMP.format(1, "n + src + final + boundary + boundary_len", "    "))
+    call = "        commit_work_item(layer_table_ptr, group_table_ptr, num_accepted_ptr, qsl_ptr, num_requests, null_slot,\n"
+    args = "                         work % ITEMS, work // ITEMS % batch, work // (ITEMS * batch),\n"
+    source = _replace_once(source, call + args,
+                           "        _rec = timeline_ptr + work.to(tl.int64) * 7\n" + _STAMP.format(0, "work", "        ")
+                           + call + args.replace("),\n", "), _rec,\n"))
+    # the kernel is the file's last function and the call its loop's last statement
     body_end = re.search(r"\n*\Z", source).start()
-    source = source[:body_end] + "\n" + _STAMP.format(2, "item")
+    source = source[:body_end] + "\n" + _STAMP.format(2, "work", "        ")
     module = types.ModuleType("recoverssm_commit_stamped")
     module.__file__ = os.path.join(os.environ.get("OUT", "/tmp"), "recoverssm_commit_stamped.py")
     with open(module.__file__, "w") as f:      # Triton reads a jit function's source from its file
@@ -102,8 +110,8 @@ class StampedLaunch:
         self.timeline = None
 
     def __call__(self, grid, args, constexprs, options):
-        programs = grid[0] * grid[1] * grid[2]
-        self.timeline = torch.zeros(programs, STAMPS, dtype=torch.int64, device=args[0].device)
+        work = constexprs["ITEMS"] * args[-2] * args[-1]         # items x batch x layers
+        self.timeline = torch.zeros(work, STAMPS, dtype=torch.int64, device=args[0].device)
         self.kernel[tuple(grid)](*args, self.timeline, **constexprs, **options)
 
     def bind(self, *launch):
@@ -140,7 +148,13 @@ def analyse(timeline: torch.Tensor, bins: int = 200) -> dict:
 
 
 def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bf16-programs-per-sm", type=int, help="override the launch table's for bf16 states")
+    ap.add_argument("--fp32-programs-per-sm", type=int, help="override the launch table's for fp32 states")
+    args = ap.parse_args()
     out = os.environ.get("OUT")
+    tag = "" if args.bf16_programs_per_sm is None and args.fp32_programs_per_sm is None else \
+        f"_persistent_{args.bf16_programs_per_sm}_{args.fp32_programs_per_sm}"
     ceiling = CopyCeiling("cuda")
     stamped = StampedLaunch(stamped_kernel())
     library = launch._GROUPED_COMMIT
@@ -150,6 +164,12 @@ def main():
                            (3, 6, 64, torch.float32)]:
         step = align_step(R, T)
         ctx, caches = commit_context(G, L, R, T, H, HV, K, V, step.num_slots, dtype)
+        cfg = ctx._committer.cfg
+        if args.bf16_programs_per_sm is not None:
+            cfg = dataclasses.replace(cfg, commit_programs_per_sm_bf16=args.bf16_programs_per_sm)
+        if args.fp32_programs_per_sm is not None:
+            cfg = dataclasses.replace(cfg, commit_programs_per_sm=args.fp32_programs_per_sm)
+        ctx._committer.set_config(cfg)
         kw = dict(block_table=step.block_table, num_computed_tokens=step.num_computed_tokens,
                   block_size=step.block_size)
         state = HV * V * K * torch.tensor([], dtype=dtype).element_size()
@@ -177,7 +197,7 @@ def main():
         print({k: v for k, v in row.items() if k != "resident_profile"}, flush=True)
         print("  resident:", row["resident_profile"], flush=True)
         if out:
-            torch.save(timeline.cpu(), os.path.join(out, f"timeline_{G}x{L}_{R}_{str(dtype).split('.')[-1]}.pt"))
+            torch.save(timeline.cpu(), os.path.join(out, f"timeline_{G}x{L}_{R}_{str(dtype).split('.')[-1]}{tag}.pt"))
         del ctx, caches
         torch.cuda.empty_cache()
     # the copy's fixed cost: time against bytes at the commit cases' sizes
@@ -191,8 +211,9 @@ def main():
             print(f"commit {dtype} 3x6L us vs MB: slope {fit.slope:.4f} us/MB, intercept {fit.intercept:.2f} us "
                   f"(copy: {slope.slope:.4f} us/MB, {slope.intercept:.2f} us)", flush=True)
     if out:
-        with open(os.path.join(out, "commit_timeline.json"), "w") as f:
-            json.dump(dict(rows=rows, copy=copies), f, indent=1)
+        with open(os.path.join(out, f"commit_timeline{tag}.json"), "w") as f:
+            json.dump(dict(bf16_programs_per_sm=args.bf16_programs_per_sm,
+                           fp32_programs_per_sm=args.fp32_programs_per_sm, rows=rows, copy=copies), f, indent=1)
 
 
 if __name__ == "__main__":
