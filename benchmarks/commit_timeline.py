@@ -85,14 +85,19 @@ def stamped_kernel():
     source = _replace_once(source, "                     item, row, layer,\n", "                     item, row, layer, _rec,\n")
     plan_end = "        num_requests, null_slot, num_slots, max_window)\n"
     source = _replace_once(source, plan_end, plan_end + _STAMP.format(1, "n + src + final + boundary + boundary_len", "    "))
-    call = "        commit_work_item(layer_table_ptr, group_table_ptr, num_accepted_ptr, qsl_ptr, num_requests, null_slot,\n"
-    args = "                         work % ITEMS, work // ITEMS % batch, work // (ITEMS * batch),\n"
-    source = _replace_once(source, call + args,
-                           "        _rec = timeline_ptr + work.to(tl.int64) * 7\n" + _STAMP.format(0, "work", "        ")
-                           + call + args.replace("),\n", "), _rec,\n"))
-    # the kernel is the file's last function and the call its loop's last statement
-    body_end = re.search(r"\n*\Z", source).start()
-    source = source[:body_end] + "\n" + _STAMP.format(2, "work", "        ")
+    # both calls of the work item (persistent loop, plain grid): stamp around each, the record
+    # indexed by the work item's number, the plain grid's order
+    calls = list(re.finditer(r"^( +)commit_work_item\((.*?)PREFETCH_NEXT_TILE\)\n", source, re.M | re.S))
+    if len(calls) != 2:
+        raise RuntimeError(f"commit.py changed: {len(calls)} calls of commit_work_item; update this script")
+    for call in reversed(calls):
+        indent, text = call.group(1), call.group(0)
+        work = "work" if "work % ITEMS" in text else \
+            "(tl.program_id(2) * batch + tl.program_id(1)) * ITEMS + tl.program_id(0)"
+        text = re.sub(r"(\n +)(H, HV, K, V, K_PAD)", r" _rec,\1\2", text, count=1)   # after (item, row, layer)
+        stamped = (f"{indent}_rec = timeline_ptr + ({work}).to(tl.int64) * 7\n" + _STAMP.format(0, f"({work})", indent)
+                   + text + _STAMP.format(2, f"({work})", indent))
+        source = source[:call.start()] + stamped + source[call.end():]
     module = types.ModuleType("recoverssm_commit_stamped")
     module.__file__ = os.path.join(os.environ.get("OUT", "/tmp"), "recoverssm_commit_stamped.py")
     with open(module.__file__, "w") as f:      # Triton reads a jit function's source from its file
