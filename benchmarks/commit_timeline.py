@@ -1,24 +1,20 @@
 """Per-program timeline of the grouped commit kernel on a GPU: where a commit's time goes between
-the grid's fill, its steady state and its drain.
+the grid's steady state and its drain.
 
-    python benchmarks/commit_timeline.py                 # prints a table, writes $OUT/commit_timeline.json
-    python benchmarks/commit_timeline.py --bf16-programs-per-sm 16 --fp32-programs-per-sm 8
-                                                         # the same with persistent grids
+    python benchmarks/commit_timeline.py       # prints a table; writes $OUT/commit_timeline.json, .pt
 
-The library's kernel source is compiled a second time with four time stamps added (nothing else
-changes): when a program starts, when its commit plan is known (the stamp waits for the plan's
-values), when it has issued its last store, and its SM. Stamps are the GPU's global timer
+The library's kernel source is compiled a second time with stamps added (nothing else changes):
+when a program starts, when its commit plan is known (the stamp waits for the plan's values),
+when it has issued its last store, and its SM. Times are the GPU's global timer
 (``%globaltimer``, comparable across SMs) and the SM's cycle counter (``%clock64``, for durations
-within a program). For each case the script reports the stamped kernel's span next to the
-library kernel's time (CUDA events, the same step), so the stamps' own cost shows, and from the
-stamps: programs resident over time, the median program life and plan wait, and how long the
-grid takes to fill (the first program to finish) and to drain (from the last program's start to
-the end), with the share of resident-program time lost while fewer than the peak were resident.
-The copy ceiling of the same bytes is timed at several sizes too: its intercept is the fixed
-cost any kernel of these bytes pays, next to the commit's.
+within a program). For each case the script reports the library kernel's time (CUDA graph, as
+in the benchmark) next to the stamped kernel's span, so the stamps' own cost shows, and from the
+stamps: programs resident over time (mean and a 40-point profile), program life and plan wait,
+the drain (from the last program's start to the end: resident-program time lost there, in us of
+the whole GPU), and how far apart in the grid's order the programs running at half time are
+(1st to 99th percentile of their program numbers: the working set's spread). Programs are
+numbered in the grid's dispatch order: item, then batch row, then layer.
 """
-import argparse
-import dataclasses
 import functools
 import json
 import os
@@ -59,12 +55,12 @@ def _sm_id():
 '''
 
 
-# Stamp number {0} (0 work item started, 1 its commit plan known, 2 ended) of the work item whose
-# record is ``_rec``, stored at once so that no register holds it: global time at column {0},
-# clock at {0} + 3, SM at 6.
-_STAMP = """{2}tl.store(_rec + {0}, _global_time_after({1}))
-{2}tl.store(_rec + {0} + 3, _clock_after({1}))
-{2}tl.store(_rec + 6, _sm_id().to(tl.int64))
+# Stamp {0} (0 start, 1 plan known, 2 end) of this program, stored at once so that no
+# register holds it across the program: global time at column {0}, clock at {0} + 3, SM at 6.
+_STAMP = """    _rec = timeline_ptr + ((layer * tl.num_programs(1) + row) * tl.num_programs(0) + item).to(tl.int64) * 7
+    tl.store(_rec + {0}, _global_time_after({1}))
+    tl.store(_rec + {0} + 3, _clock_after({1}))
+    tl.store(_rec + 6, _sm_id().to(tl.int64))
 """
 
 
@@ -76,28 +72,19 @@ def _replace_once(text: str, old: str, new: str) -> str:
 
 def stamped_kernel():
     """The library's ``grouped_commit_kernel`` compiled from its own source with the stamps added
-    and one more runtime argument, ``timeline_ptr`` (int64 ``[work items, STAMPS]``)."""
+    and one more runtime argument, ``timeline_ptr`` (int64 ``[programs, STAMPS]``)."""
     source = open(commit_module.__file__).read()
     source = _replace_once(source, "from .numerics import to_storage",
                            "from recoverssm.backends.triton.numerics import to_storage\n" + _STAMP_HELPERS)
-    source = _replace_once(source, "    num_requests, null_slot, batch, num_layers,\n",
-                           "    num_requests, null_slot, batch, num_layers, timeline_ptr,\n")
-    source = _replace_once(source, "                     item, row, layer,\n", "                     item, row, layer, _rec,\n")
+    source = _replace_once(source, "    num_requests, null_slot,\n    H: tl.constexpr",
+                           "    num_requests, null_slot, timeline_ptr,\n    H: tl.constexpr")
+    source = _replace_once(source, "    layer = tl.program_id(2)\n",
+                           "    layer = tl.program_id(2)\n" + _STAMP.format(0, "item"))
     plan_end = "        num_requests, null_slot, num_slots, max_window)\n"
-    source = _replace_once(source, plan_end, plan_end + _STAMP.format(1, "n + src + final + boundary + boundary_len", "    "))
-    # both calls of the work item (persistent loop, plain grid): stamp around each, the record
-    # indexed by the work item's number, the plain grid's order
-    calls = list(re.finditer(r"^( +)commit_work_item\((.*?)PREFETCH_NEXT_TILE\)\n", source, re.M | re.S))
-    if len(calls) != 2:
-        raise RuntimeError(f"commit.py changed: {len(calls)} calls of commit_work_item; update this script")
-    for call in reversed(calls):
-        indent, text = call.group(1), call.group(0)
-        work = "work" if "work % ITEMS" in text else \
-            "(tl.program_id(2) * batch + tl.program_id(1)) * ITEMS + tl.program_id(0)"
-        text = re.sub(r"(\n +)(H, HV, K, V, K_PAD)", r" _rec,\1\2", text, count=1)   # after (item, row, layer)
-        stamped = (f"{indent}_rec = timeline_ptr + ({work}).to(tl.int64) * 7\n" + _STAMP.format(0, f"({work})", indent)
-                   + text + _STAMP.format(2, f"({work})", indent))
-        source = source[:call.start()] + stamped + source[call.end():]
+    source = _replace_once(source, plan_end, plan_end + _STAMP.format(1, "n + src + final + boundary + boundary_len"))
+    # the kernel is the file's last function: its end is the end of the file
+    body_end = re.search(r"\n*\Z", source).start()
+    source = source[:body_end] + "\n" + _STAMP.format(2, "item")
     module = types.ModuleType("recoverssm_commit_stamped")
     module.__file__ = os.path.join(os.environ.get("OUT", "/tmp"), "recoverssm_commit_stamped.py")
     with open(module.__file__, "w") as f:      # Triton reads a jit function's source from its file
@@ -115,8 +102,8 @@ class StampedLaunch:
         self.timeline = None
 
     def __call__(self, grid, args, constexprs, options):
-        work = constexprs["ITEMS"] * args[-2] * args[-1]         # items x batch x layers
-        self.timeline = torch.zeros(work, STAMPS, dtype=torch.int64, device=args[0].device)
+        programs = grid[0] * grid[1] * grid[2]
+        self.timeline = torch.zeros(programs, STAMPS, dtype=torch.int64, device=args[0].device)
         self.kernel[tuple(grid)](*args, self.timeline, **constexprs, **options)
 
     def bind(self, *launch):
@@ -139,42 +126,34 @@ def analyse(timeline: torch.Tensor, bins: int = 200) -> dict:
     first_end = float(end.min())
     last_start = float(start.max())
     drain_lost = float(((1 - resident / peak) * (mid >= last_start)).sum() / bins * span)
-    fill_lost = float(((1 - resident / peak) * (mid < first_end)).sum() / bins * span)
     quantum = float(torch.diff(torch.unique(tl_[:, 0])).min()) if tl_.shape[0] > 1 else 0.0
+    running = torch.nonzero((start <= span / 2) & (end > span / 2)).flatten().double()
+    spread = torch.quantile(running, torch.tensor([0.01, 0.99], dtype=torch.float64))
     return dict(programs=tl_.shape[0], span_us=round(span, 2), peak_resident=int(peak),
                 sms=int(torch.unique(tl_[:, 6]).numel()),
+                resident_mean=round(float((end - start).sum()) / span, 1),
                 life_us_median=round(float((end - start).median()), 2),
+                life_us_mean=round(float((end - start).mean()), 2),
                 plan_wait_us_median=round(float((plan - start).median()), 2),
                 life_cycles_median=int(cycles_life.median()), plan_wait_cycles_median=int(cycles_plan.median()),
                 first_end_us=round(first_end, 2), last_start_us=round(last_start, 2),
-                idle_share=round(lost, 4), fill_idle_us=round(fill_lost, 2), drain_idle_us=round(drain_lost, 2),
+                idle_share=round(lost, 4), drain_idle_us=round(drain_lost, 2),
+                running_at_half_spread=int(spread[1] - spread[0]),
                 timer_quantum_ns=quantum,
                 resident_profile=[int(r) for r in resident[:: max(1, bins // 40)]])
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--bf16-programs-per-sm", type=int, help="override the launch table's for bf16 states")
-    ap.add_argument("--fp32-programs-per-sm", type=int, help="override the launch table's for fp32 states")
-    args = ap.parse_args()
     out = os.environ.get("OUT")
-    tag = "" if args.bf16_programs_per_sm is None and args.fp32_programs_per_sm is None else \
-        f"_persistent_{args.bf16_programs_per_sm}_{args.fp32_programs_per_sm}"
     ceiling = CopyCeiling("cuda")
     stamped = StampedLaunch(stamped_kernel())
     library = launch._GROUPED_COMMIT
-    rows = []
+    rows, timelines = [], {}
     for G, L, R, dtype in [(3, 6, 8, torch.bfloat16), (3, 6, 16, torch.bfloat16), (3, 6, 32, torch.bfloat16),
                            (3, 6, 64, torch.bfloat16), (1, 12, 8, torch.float32), (3, 6, 8, torch.float32),
                            (3, 6, 64, torch.float32)]:
         step = align_step(R, T)
         ctx, caches = commit_context(G, L, R, T, H, HV, K, V, step.num_slots, dtype)
-        cfg = ctx._committer.cfg
-        if args.bf16_programs_per_sm is not None:
-            cfg = dataclasses.replace(cfg, commit_programs_per_sm_bf16=args.bf16_programs_per_sm)
-        if args.fp32_programs_per_sm is not None:
-            cfg = dataclasses.replace(cfg, commit_programs_per_sm=args.fp32_programs_per_sm)
-        ctx._committer.set_config(cfg)
         kw = dict(block_table=step.block_table, num_computed_tokens=step.num_computed_tokens,
                   block_size=step.block_size)
         state = HV * V * K * torch.tensor([], dtype=dtype).element_size()
@@ -201,8 +180,7 @@ def main():
         rows.append(row)
         print({k: v for k, v in row.items() if k != "resident_profile"}, flush=True)
         print("  resident:", row["resident_profile"], flush=True)
-        if out:
-            torch.save(timeline.cpu(), os.path.join(out, f"timeline_{G}x{L}_{R}_{str(dtype).split('.')[-1]}{tag}.pt"))
+        timelines[row["case"]] = timeline.cpu()
         del ctx, caches
         torch.cuda.empty_cache()
     # the copy's fixed cost: time against bytes at the commit cases' sizes
@@ -216,9 +194,9 @@ def main():
             print(f"commit {dtype} 3x6L us vs MB: slope {fit.slope:.4f} us/MB, intercept {fit.intercept:.2f} us "
                   f"(copy: {slope.slope:.4f} us/MB, {slope.intercept:.2f} us)", flush=True)
     if out:
-        with open(os.path.join(out, f"commit_timeline{tag}.json"), "w") as f:
-            json.dump(dict(bf16_programs_per_sm=args.bf16_programs_per_sm,
-                           fp32_programs_per_sm=args.fp32_programs_per_sm, rows=rows, copy=copies), f, indent=1)
+        with open(os.path.join(out, "commit_timeline.json"), "w") as f:
+            json.dump(dict(rows=rows, copy=copies), f, indent=1)
+        torch.save(timelines, os.path.join(out, "commit_timeline.pt"))   # int64 [programs, STAMPS] per case
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 program and L2 prefetch hints on a GPU.
 
     python benchmarks/tune_commit.py                           # V rows 16..128 x warps 1..8
-    python benchmarks/tune_commit.py --grid 64x4,64x4x128,64x4x0x4,32x2x168x4x1,16x1x128x2x3x16
-                                    # rows x warps [x cap [x tiles [x prefetch [x programs per SM]]]]
+    python benchmarks/tune_commit.py --grid 64x4,64x4x128,64x4x0x4,32x2x168x4x1
+                                              # rows x warps [x cap [x tiles [x prefetch]]]
 """
 import argparse
 import functools
@@ -25,20 +25,19 @@ def configs(grid):
     if grid:
         for spec in grid.split(","):
             bv, warps, *rest = map(int, spec.split("x"))
-            cap, tiles, prefetch, per_sm = rest + [0, 1, 0, 0][len(rest):]
-            yield bv, warps, cap or None, tiles, prefetch, per_sm
+            cap, tiles, prefetch = rest + [0, 1, 0][len(rest):]
+            yield bv, warps, cap or None, tiles, prefetch
         return
     for bv, warps in itertools.product(BLOCK_V, WARPS):
         if 4 <= bv * K // (32 * warps) <= 128:
-            yield bv, warps, None, 1, 0, 0
+            yield bv, warps, None, 1, 0
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--grid", help="comma-separated ROWSxWARPS[xMAXNREG[xTILES[xPREFETCH[xPERSM]]]] (MAXNREG 0 = "
-                                   "no cap; PREFETCH: 1 hints the records, 2 the next tile, 3 both; PERSM: "
-                                   "programs per SM of a persistent grid, 0 = one program per work item)")
-    ap.add_argument("--repeat", type=int, default=1, help="passes over the grid (A/B within one run)")
+    ap.add_argument("--grid", help="comma-separated ROWSxWARPS[xMAXNREG[xTILES[xPREFETCH]]] (MAXNREG 0 = no "
+                                   "cap; PREFETCH: 1 hints the records, 2 the next tile, 3 both)")
+    ap.add_argument("--repeat", type=int, default=1, help="passes over the grid (an A/B within one run)")
     args = ap.parse_args()
     ceiling = CopyCeiling("cuda")
     cases = [("12L x 8req fp32", 1, 12, 8, torch.float32), ("3x6L x 64req bf16", 3, 6, 64, torch.bfloat16),
@@ -52,15 +51,14 @@ def main():
         traffic = G * L * (state * (2 * R + step.boundaries) + accepted * (48 * V + H * K + 48) * 4)
         kw = dict(block_table=step.block_table, num_computed_tokens=step.num_computed_tokens,
                   block_size=step.block_size)
-        for _, (bv, warps, cap, tiles, prefetch, per_sm) in itertools.product(range(args.repeat), list(configs(args.grid))):
+        for _, (bv, warps, cap, tiles, prefetch) in itertools.product(range(args.repeat), list(configs(args.grid))):
             ctx._committer.set_config(LaunchConfig(commit_block_v=bv, commit_warps=warps, commit_max_registers=cap,
                                                    commit_tiles_per_program=tiles,
                                                    commit_prefetch_records=bool(prefetch & 1),
-                                                   commit_prefetch_next_tile=bool(prefetch & 2),
-                                                   commit_programs_per_sm=per_sm))
+                                                   commit_prefetch_next_tile=bool(prefetch & 2)))
             us = median_us([functools.partial(ctx.commit, step.num_accepted, step.state_indices,
                                               step.query_start_loc, **kw)], iters=40)
-            row = dict(case=name, bv=bv, warps=warps, maxnreg=cap, tiles=tiles, prefetch=prefetch, per_sm=per_sm,
+            row = dict(case=name, bv=bv, warps=warps, maxnreg=cap, tiles=tiles, prefetch=prefetch,
                        us=round(us, 1), vs_copy=round(ceiling.us(traffic) / us, 3))
             results.append(row)
             print(row, flush=True)

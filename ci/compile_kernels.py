@@ -129,8 +129,7 @@ def cases(cfg: LaunchConfig, K=128, V=128, H=16, HV=48):
         yield (f"grouped_commit state={state}", grouped_commit_kernel,
                dict(H=H, HV=HV, K=K, V=V, K_PAD=K, BV=tile.block_v, BD=cfg.conv_block,
                     CONV_COLS=4, STATE_DTYPE=st, CONV_DTYPE=tl.bfloat16, ALIGNED=True,
-                    TILES_PER_PROGRAM=tile.tiles_per_program, ITEMS=48 * 128 // tile.block_v // tile.tiles_per_program,
-                    PERSISTENT=tile.programs_per_sm > 0, PREFETCH_RECORDS=tile.prefetch_records,
+                    TILES_PER_PROGRAM=tile.tiles_per_program, PREFETCH_RECORDS=tile.prefetch_records,
                     PREFETCH_NEXT_TILE=tile.prefetch_next_tile and tile.tiles_per_program > 1),
                {**ints, "layer_table_ptr": "*i64", "group_table_ptr": "*i64"},
                cfg.options(tile.warps, max_registers=tile.max_registers))

@@ -321,11 +321,10 @@ def test_grouped_commit_equals_per_layer(s):
 @pytest.mark.parametrize("s", SETTINGS)
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_tiles_per_program_do_not_change_the_bits(s, state_dtype):
-    """A commit program may replay several state tiles in turn (sharing the row's plan), may
-    hint records and next tiles into L2 (compiled kernels only), and may loop over many work
-    items (a persistent grid: 1 or 2 programs per SM, so on the CPU 1 or 2 programs do
-    everything): 1, 2 and 3 tiles per program (3 leaves the last program short), with and without
-    the hints, give the same states and conv states, align mode with boundary writes included."""
+    """A commit program may replay several state tiles in turn (sharing the row's plan), and may
+    hint records and next tiles into L2 (compiled kernels only): 1, 2 and 3 tiles per program (3
+    leaves the last program short), with and without the hints, give the same states and conv
+    states, align mode with boundary writes included."""
     from recoverssm.backends.triton.launch import LaunchConfig
 
     device = s["device"]
@@ -335,14 +334,12 @@ def test_tiles_per_program_do_not_change_the_bits(s, state_dtype):
     _, rec = verify(p, "cuda")
     conv_state = torch.randn(16, 12, 3 + 4, device=device)
     results = []
-    for tiles, prefetch, per_sm in ((1, False, 0), (2, False, 0), (3, False, 0), (1, True, 0), (3, True, 0),
-                                    (1, False, 2), (3, True, 1)):
+    for tiles, prefetch in ((1, False), (2, False), (3, False), (1, True), (3, True)):
         state, conv = p.state.clone(), conv_state.clone()
         ctx = rs.CommitContext([[rs.LayerCache(state, rec, conv)]], max_batch=5, backend="cuda")
         ctx._committer.set_config(LaunchConfig(commit_block_v=16, commit_tiles_per_program=tiles,
                                                commit_prefetch_records=prefetch,
-                                               commit_prefetch_next_tile=prefetch,
-                                               commit_programs_per_sm=per_sm))
+                                               commit_prefetch_next_tile=prefetch))
         ctx.commit(accepted, p.state_indices, p.query_start_loc, **align)
         results.append((state, conv))
     for state, conv in results[1:]:

@@ -247,16 +247,20 @@ def commit_state_tile(state, slot_stride, offsets, mask, corr, key, decay,
 
 
 @triton.jit
-def commit_work_item(layer_table_ptr, group_table_ptr, num_accepted_ptr, qsl_ptr, num_requests, null_slot,
-                     item, row, layer,
-                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                     K_PAD: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, CONV_COLS: tl.constexpr,
-                     STATE_DTYPE: tl.constexpr, CONV_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
-                     TILES_PER_PROGRAM: tl.constexpr,
-                     PREFETCH_RECORDS: tl.constexpr, PREFETCH_NEXT_TILE: tl.constexpr):
-    """Work item ``item`` of batch row ``row`` and layer ``layer``: ``TILES_PER_PROGRAM`` state
-    tiles, or (items past the tiles) one block of conv channels."""
+def grouped_commit_kernel(
+    layer_table_ptr, group_table_ptr, num_accepted_ptr, qsl_ptr,
+    num_requests, null_slot,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    K_PAD: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, CONV_COLS: tl.constexpr,
+    STATE_DTYPE: tl.constexpr, CONV_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
+    TILES_PER_PROGRAM: tl.constexpr,
+    PREFETCH_RECORDS: tl.constexpr, PREFETCH_NEXT_TILE: tl.constexpr,
+):
+    item = tl.program_id(0)
+    row = tl.program_id(1)
+    layer = tl.program_id(2)
     V_TILES: tl.constexpr = (V + BV - 1) // BV
+
     lt = layer_table_ptr + layer * LAYER_FIELDS
     group = tl.load(lt + LAYER_GROUP)
     gt = group_table_ptr + group * GROUP_FIELDS
@@ -332,32 +336,3 @@ def commit_work_item(layer_table_ptr, group_table_ptr, num_accepted_ptr, qsl_ptr
                              boundary_cols, mask=keep)
                 tl.store(conv_state + final.to(tl.int64) * slot_stride + chan + cols * col_stride,
                          final_cols, mask=keep)
-
-
-@triton.jit
-def grouped_commit_kernel(
-    layer_table_ptr, group_table_ptr, num_accepted_ptr, qsl_ptr,
-    num_requests, null_slot, batch, num_layers,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    K_PAD: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, CONV_COLS: tl.constexpr,
-    STATE_DTYPE: tl.constexpr, CONV_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
-    TILES_PER_PROGRAM: tl.constexpr, ITEMS: tl.constexpr, PERSISTENT: tl.constexpr,
-    PREFETCH_RECORDS: tl.constexpr, PREFETCH_NEXT_TILE: tl.constexpr,
-):
-    # The plain grid has one program per work item: (item, row, layer) = the program's ids. A
-    # PERSISTENT grid is one axis of fewer programs, all resident at once, each taking every
-    # num_programs-th work item w = (w % ITEMS, w // ITEMS % batch, w // (ITEMS * batch)), the
-    # plain grid's order: no program is retired and replaced
-    # mid-commit, and all have about the same work, so the grid drains evenly. (The plain grid
-    # keeps its straight-line code: the loop costs the fp32 commit registers.)
-    if PERSISTENT:
-        for work in range(tl.program_id(0), ITEMS * batch * num_layers, tl.num_programs(0)):
-            commit_work_item(layer_table_ptr, group_table_ptr, num_accepted_ptr, qsl_ptr, num_requests, null_slot,
-                             work % ITEMS, work // ITEMS % batch, work // (ITEMS * batch),
-                             H, HV, K, V, K_PAD, BV, BD, CONV_COLS, STATE_DTYPE, CONV_DTYPE, ALIGNED,
-                             TILES_PER_PROGRAM, PREFETCH_RECORDS, PREFETCH_NEXT_TILE)
-    else:
-        commit_work_item(layer_table_ptr, group_table_ptr, num_accepted_ptr, qsl_ptr, num_requests, null_slot,
-                         tl.program_id(0), tl.program_id(1), tl.program_id(2),
-                         H, HV, K, V, K_PAD, BV, BD, CONV_COLS, STATE_DTYPE, CONV_DTYPE, ALIGNED,
-                         TILES_PER_PROGRAM, PREFETCH_RECORDS, PREFETCH_NEXT_TILE)

@@ -25,7 +25,6 @@ class CommitTile(NamedTuple):
     tiles_per_program: int
     prefetch_records: bool
     prefetch_next_tile: bool
-    programs_per_sm: int
 
 
 @dataclass(frozen=True)
@@ -52,10 +51,6 @@ class LaunchConfig:
     ``commit_prefetch_records``, ``commit_prefetch_next_tile``: L2 prefetch hints (PTX, so NVIDIA
     GPUs only; never under Triton's interpreter) for the replay records of a program's tiles, at
     its start, and for its next state tile, before the current one is replayed;
-    ``commit_programs_per_sm``, ``commit_programs_per_sm_bf16``: 0 launches one program per work
-    item; a positive number launches at most that many programs per SM (no more than fit at once,
-    or the rest wait for a second wave), each looping over every grid-th work item: a persistent
-    grid, which no program leaves before the commit's end;
     ``conv_block``: channels per conv program.
     ``compile_options``: extra options for every launch (e.g. ``grf_mode`` on Intel GPUs).
     """
@@ -78,8 +73,6 @@ class LaunchConfig:
     commit_tiles_per_program_bf16: Optional[int] = None
     commit_prefetch_records: bool = False
     commit_prefetch_next_tile: bool = False
-    commit_programs_per_sm: int = 0
-    commit_programs_per_sm_bf16: Optional[int] = None
     conv_block: int = 128
     conv_warps: int = 4
     plan_block: int = 128
@@ -92,12 +85,10 @@ class LaunchConfig:
                               self.commit_warps_bf16 or self.commit_warps,
                               self.commit_max_registers_bf16 or self.commit_max_registers,
                               self.commit_tiles_per_program_bf16 or self.commit_tiles_per_program,
-                              self.commit_prefetch_records, self.commit_prefetch_next_tile,
-                              self.commit_programs_per_sm if self.commit_programs_per_sm_bf16 is None
-                              else self.commit_programs_per_sm_bf16)
+                              self.commit_prefetch_records, self.commit_prefetch_next_tile)
         return CommitTile(self.commit_block_v, self.commit_warps, self.commit_max_registers,
                           self.commit_tiles_per_program, self.commit_prefetch_records,
-                          self.commit_prefetch_next_tile, self.commit_programs_per_sm)
+                          self.commit_prefetch_next_tile)
 
     def options(self, num_warps: int, num_stages: Optional[int] = None,
                 max_registers: Optional[int] = None) -> dict:

@@ -242,12 +242,10 @@ class TritonCommitter(Committer):
         tiles = self.HV * triton.cdiv(self.V, block_v)
         tiles_per_program = max(1, min(tile.tiles_per_program, tiles))
         self.items = triton.cdiv(tiles, tiles_per_program) + triton.cdiv(self.max_conv_dim, cfg.conv_block)
-        self.max_programs = tile.programs_per_sm * _multiprocessors(self.device) if tile.programs_per_sm > 0 else None
         self.constexprs = dict(H=self.H, HV=self.HV, K=self.K, V=self.V, K_PAD=_pow2(self.K), BV=block_v,
                                BD=cfg.conv_block, CONV_COLS=self.conv_cols,
                                STATE_DTYPE=_dtype(self.state_dtype), CONV_DTYPE=_dtype(self.conv_dtype),
-                               ALIGNED=self.aligned, TILES_PER_PROGRAM=tiles_per_program, ITEMS=self.items,
-                               PERSISTENT=self.max_programs is not None,
+                               ALIGNED=self.aligned, TILES_PER_PROGRAM=tiles_per_program,
                                # The hints are PTX, which Triton's interpreter cannot run.
                                PREFETCH_RECORDS=tile.prefetch_records and not interpreting(),
                                PREFETCH_NEXT_TILE=tile.prefetch_next_tile and tiles_per_program > 1
@@ -315,19 +313,10 @@ class TritonCommitter(Committer):
 
     def _launch_args(self, num_accepted, query_start_loc, groups: Sequence[GroupStep], B: int) -> tuple:
         """``(grid, runtime arguments, constexprs, options)`` of the commit kernel for one step."""
-        work = self.items * B * self.num_layers
-        return ((self.items, B, self.num_layers) if self.max_programs is None else (min(work, self.max_programs),),
+        return ((self.items, B, self.num_layers),
                 (self.layer_table, self._group_table_for(groups), num_accepted, query_start_loc,
-                 num_accepted.shape[0], self.null_slot, B, self.num_layers),
+                 num_accepted.shape[0], self.null_slot),
                 self.constexprs, self.options)
-
-
-def _multiprocessors(device: torch.device) -> int:
-    """The device's streaming multiprocessors (1 for a CPU under Triton's interpreter, which runs
-    programs one after another anyway)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 1
 
 
 def _vector_aligned(layer: CommitLayer) -> bool:
