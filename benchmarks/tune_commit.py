@@ -1,9 +1,9 @@
 """Sweep the grouped commit kernel's tile (V rows per tile), warps, register cap, tiles per
-program and L2 prefetch hints on a GPU.
+program, L2 prefetch hints and replay-record pairs on a GPU.
 
     python benchmarks/tune_commit.py                           # V rows 16..128 x warps 1..8
-    python benchmarks/tune_commit.py --grid 64x4,64x4x128,64x4x0x4,32x2x168x4x1
-                                              # rows x warps [x cap [x tiles [x prefetch]]]
+    python benchmarks/tune_commit.py --grid 64x4,64x4x128,64x4x0x4,32x2x168x4x1,16x1x128x2x3x1
+                                    # rows x warps [x cap [x tiles [x prefetch [x record pairs]]]]
 """
 import argparse
 import functools
@@ -25,18 +25,19 @@ def configs(grid):
     if grid:
         for spec in grid.split(","):
             bv, warps, *rest = map(int, spec.split("x"))
-            cap, tiles, prefetch = rest + [0, 1, 0][len(rest):]
-            yield bv, warps, cap or None, tiles, prefetch
+            cap, tiles, prefetch, pairs = rest + [0, 1, 0, 0][len(rest):]
+            yield bv, warps, cap or None, tiles, prefetch, pairs
         return
     for bv, warps in itertools.product(BLOCK_V, WARPS):
         if 4 <= bv * K // (32 * warps) <= 128:
-            yield bv, warps, None, 1, 0
+            yield bv, warps, None, 1, 0, 0
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--grid", help="comma-separated ROWSxWARPS[xMAXNREG[xTILES[xPREFETCH]]] (MAXNREG 0 = no "
-                                   "cap; PREFETCH: 1 hints the records, 2 the next tile, 3 both)")
+    ap.add_argument("--grid", help="comma-separated ROWSxWARPS[xMAXNREG[xTILES[xPREFETCH[xPAIRS]]]] (MAXNREG 0 = "
+                                   "no cap; PREFETCH: 1 hints the records, 2 the next tile, 3 both; PAIRS: "
+                                   "commit_replay_pairs, 0 one record ahead, 1 two at a time, 2 two ahead)")
     ap.add_argument("--repeat", type=int, default=1, help="passes over the grid (an A/B within one run)")
     args = ap.parse_args()
     ceiling = CopyCeiling("cuda")
@@ -51,14 +52,16 @@ def main():
         traffic = G * L * (state * (2 * R + step.boundaries) + accepted * (48 * V + H * K + 48) * 4)
         kw = dict(block_table=step.block_table, num_computed_tokens=step.num_computed_tokens,
                   block_size=step.block_size)
-        for _, (bv, warps, cap, tiles, prefetch) in itertools.product(range(args.repeat), list(configs(args.grid))):
+        for _, (bv, warps, cap, tiles, prefetch, pairs) in itertools.product(range(args.repeat),
+                                                                            list(configs(args.grid))):
             ctx._committer.set_config(LaunchConfig(commit_block_v=bv, commit_warps=warps, commit_max_registers=cap,
                                                    commit_tiles_per_program=tiles,
                                                    commit_prefetch_records=bool(prefetch & 1),
-                                                   commit_prefetch_next_tile=bool(prefetch & 2)))
+                                                   commit_prefetch_next_tile=bool(prefetch & 2),
+                                                   commit_replay_pairs=pairs))
             us = median_us([functools.partial(ctx.commit, step.num_accepted, step.state_indices,
                                               step.query_start_loc, **kw)], iters=40)
-            row = dict(case=name, bv=bv, warps=warps, maxnreg=cap, tiles=tiles, prefetch=prefetch,
+            row = dict(case=name, bv=bv, warps=warps, maxnreg=cap, tiles=tiles, prefetch=prefetch, pairs=pairs,
                        us=round(us, 1), vs_copy=round(ceiling.us(traffic) / us, 3))
             results.append(row)
             print(row, flush=True)

@@ -130,7 +130,8 @@ def cases(cfg: LaunchConfig, K=128, V=128, H=16, HV=48):
                dict(H=H, HV=HV, K=K, V=V, K_PAD=K, BV=tile.block_v, BD=cfg.conv_block,
                     CONV_COLS=4, STATE_DTYPE=st, CONV_DTYPE=tl.bfloat16, ALIGNED=True,
                     TILES_PER_PROGRAM=tile.tiles_per_program, PREFETCH_RECORDS=tile.prefetch_records,
-                    PREFETCH_NEXT_TILE=tile.prefetch_next_tile and tile.tiles_per_program > 1),
+                    PREFETCH_NEXT_TILE=tile.prefetch_next_tile and tile.tiles_per_program > 1,
+                    REPLAY_PAIRS=tile.replay_pairs),
                {**ints, "layer_table_ptr": "*i64", "group_table_ptr": "*i64"},
                cfg.options(tile.warps, max_registers=tile.max_registers))
 

@@ -321,25 +321,32 @@ def test_grouped_commit_equals_per_layer(s):
 @pytest.mark.parametrize("s", SETTINGS)
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_tiles_per_program_do_not_change_the_bits(s, state_dtype):
-    """A commit program may replay several state tiles in turn (sharing the row's plan), and may
-    hint records and next tiles into L2 (compiled kernels only): 1, 2 and 3 tiles per program (3
-    leaves the last program short), with and without the hints, give the same states and conv
-    states, align mode with boundary writes included."""
+    """A commit program may replay several state tiles in turn (sharing the row's plan), may
+    hint records and next tiles into L2 (compiled kernels only), and may load the replay records
+    of two window positions at a time: 1, 2 and 3 tiles per program (3 leaves the last program
+    short), with and without the hints, records one, two or two-ahead at a time, give the same
+    states and conv states, align mode with boundary writes included (request 0 accepts 4 here:
+    3 tokens into its boundary state, then 1, so replays of odd and even lengths start at odd
+    and even positions)."""
     from recoverssm.backends.triton.launch import LaunchConfig
 
     device = s["device"]
     align, accepted, sources = align_case(device, 16)
+    accepted = accepted.clone()
+    accepted[0] = 4
     p = make_problem([4] * 5, T=4, num_slots=16, seed=21, state_dtype=state_dtype, **dims(s))
     p.state_indices = torch.tensor(sources, dtype=torch.int32, device=device)
     _, rec = verify(p, "cuda")
     conv_state = torch.randn(16, 12, 3 + 4, device=device)
     results = []
-    for tiles, prefetch in ((1, False), (2, False), (3, False), (1, True), (3, True)):
+    for tiles, prefetch, pairs in ((1, False, 0), (2, False, 0), (3, False, 0), (1, True, 0), (3, True, 0),
+                                   (1, False, 1), (2, True, 1), (3, False, 2), (2, True, 2)):
         state, conv = p.state.clone(), conv_state.clone()
         ctx = rs.CommitContext([[rs.LayerCache(state, rec, conv)]], max_batch=5, backend="cuda")
         ctx._committer.set_config(LaunchConfig(commit_block_v=16, commit_tiles_per_program=tiles,
                                                commit_prefetch_records=prefetch,
-                                               commit_prefetch_next_tile=prefetch))
+                                               commit_prefetch_next_tile=prefetch,
+                                               commit_replay_pairs=pairs))
         ctx.commit(accepted, p.state_indices, p.query_start_loc, **align)
         results.append((state, conv))
     for state, conv in results[1:]:

@@ -134,19 +134,45 @@ def load_record(corr_row, key_row, decay_row, t, valid, offs_v, mask_v, offs_k, 
 
 @triton.jit
 def replay_tokens(S, corr_row, key_row, decay_row, first, last, offs_v, mask_v, offs_k, mask_k,
-                  V: tl.constexpr, K: tl.constexpr):
+                  V: tl.constexpr, K: tl.constexpr, PAIRS: tl.constexpr):
     """``S = fma(c_t, k^_t, S * d_t)`` for window positions ``first <= t < last`` (``[BV, K_PAD]`` tile).
 
-    The next position's record is loaded while the current one is applied: otherwise every
-    token waits a full memory latency for its few hundred bytes, which is what bounded the bf16
-    commit (half the state bytes per tile, the same chain of record loads)."""
-    correction, k_hat, decay = load_record(corr_row, key_row, decay_row, first, first < last,
-                                           offs_v, mask_v, offs_k, mask_k, V, K)
-    for t in range(first, last):
-        next_correction, next_k_hat, next_decay = load_record(
-            corr_row, key_row, decay_row, t + 1, t + 1 < last, offs_v, mask_v, offs_k, mask_k, V, K)
-        S = tl.fma(correction[:, None], k_hat[None, :], S * decay)
-        correction, k_hat, decay = next_correction, next_k_hat, next_decay
+    ``PAIRS == 0``: the next position's record is loaded while the current one is applied:
+    otherwise every token waits a full memory latency for its few hundred bytes, which is what
+    bounded the bf16 commit (half the state bytes per tile, the same chain of record loads).
+    ``PAIRS == 1``: two positions' records are loaded together, then both applied (one wait per
+    two tokens, no record held across iterations); ``PAIRS == 2``: the same, the next pair
+    loaded while the current one is applied. The products and their order are the same in every
+    variant."""
+    if PAIRS == 0:
+        correction, k_hat, decay = load_record(corr_row, key_row, decay_row, first, first < last,
+                                               offs_v, mask_v, offs_k, mask_k, V, K)
+        for t in range(first, last):
+            next_correction, next_k_hat, next_decay = load_record(
+                corr_row, key_row, decay_row, t + 1, t + 1 < last, offs_v, mask_v, offs_k, mask_k, V, K)
+            S = tl.fma(correction[:, None], k_hat[None, :], S * decay)
+            correction, k_hat, decay = next_correction, next_k_hat, next_decay
+    elif PAIRS == 1:
+        for t in range(first, last, 2):
+            c0, k0, d0 = load_record(corr_row, key_row, decay_row, t, True, offs_v, mask_v, offs_k, mask_k, V, K)
+            c1, k1, d1 = load_record(corr_row, key_row, decay_row, t + 1, t + 1 < last,
+                                     offs_v, mask_v, offs_k, mask_k, V, K)
+            S = tl.fma(c0[:, None], k0[None, :], S * d0)
+            if t + 1 < last:
+                S = tl.fma(c1[:, None], k1[None, :], S * d1)
+    else:
+        c0, k0, d0 = load_record(corr_row, key_row, decay_row, first, first < last,
+                                 offs_v, mask_v, offs_k, mask_k, V, K)
+        c1, k1, d1 = load_record(corr_row, key_row, decay_row, first + 1, first + 1 < last,
+                                 offs_v, mask_v, offs_k, mask_k, V, K)
+        for t in range(first, last, 2):
+            n0 = load_record(corr_row, key_row, decay_row, t + 2, t + 2 < last, offs_v, mask_v, offs_k, mask_k, V, K)
+            n1 = load_record(corr_row, key_row, decay_row, t + 3, t + 3 < last, offs_v, mask_v, offs_k, mask_k, V, K)
+            S = tl.fma(c0[:, None], k0[None, :], S * d0)
+            if t + 1 < last:
+                S = tl.fma(c1[:, None], k1[None, :], S * d1)
+            c0, k0, d0 = n0
+            c1, k1, d1 = n1
     return S
 
 
@@ -227,7 +253,7 @@ def commit_state_tile(state, slot_stride, offsets, mask, corr, key, decay,
                       row, tile_index, source_tile, n, final, boundary, boundary_len, max_window, null_slot,
                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                       K_PAD: tl.constexpr, BV: tl.constexpr, V_TILES: tl.constexpr,
-                      STATE_DTYPE: tl.constexpr):
+                      STATE_DTYPE: tl.constexpr, REPLAY_PAIRS: tl.constexpr):
     """One ``[BV, K_PAD]`` state tile of one row and layer (``offsets``, ``mask``: from
     ``tile_offsets``), already read from the source slot (``source_tile``, storage dtype): replay
     the accepted records (``corr``, ``key``, ``decay``: the layer's record pointers), store the
@@ -239,10 +265,12 @@ def commit_state_tile(state, slot_stride, offsets, mask, corr, key, decay,
     corr_row, key_row, decay_row = record_rows(corr, key, decay, row, tile_index, max_window, H, HV, K, V, V_TILES)
 
     S = source_tile.to(tl.float32)
-    S = replay_tokens(S, corr_row, key_row, decay_row, 0, boundary_len, offs_v, mask_v, offs_k, mask_k, V, K)
+    S = replay_tokens(S, corr_row, key_row, decay_row, 0, boundary_len, offs_v, mask_v, offs_k, mask_k, V, K,
+                      REPLAY_PAIRS)
     if boundary > null_slot:
         tl.store(state + boundary.to(tl.int64) * slot_stride + offsets, to_storage(S, STATE_DTYPE), mask=mask)
-    S = replay_tokens(S, corr_row, key_row, decay_row, boundary_len, n, offs_v, mask_v, offs_k, mask_k, V, K)
+    S = replay_tokens(S, corr_row, key_row, decay_row, boundary_len, n, offs_v, mask_v, offs_k, mask_k, V, K,
+                      REPLAY_PAIRS)
     tl.store(state + final.to(tl.int64) * slot_stride + offsets, to_storage(S, STATE_DTYPE), mask=mask)
 
 
@@ -254,7 +282,7 @@ def grouped_commit_kernel(
     K_PAD: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, CONV_COLS: tl.constexpr,
     STATE_DTYPE: tl.constexpr, CONV_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
     TILES_PER_PROGRAM: tl.constexpr,
-    PREFETCH_RECORDS: tl.constexpr, PREFETCH_NEXT_TILE: tl.constexpr,
+    PREFETCH_RECORDS: tl.constexpr, PREFETCH_NEXT_TILE: tl.constexpr, REPLAY_PAIRS: tl.constexpr,
 ):
     item = tl.program_id(0)
     row = tl.program_id(1)
@@ -310,7 +338,7 @@ def grouped_commit_kernel(
                 if tile_index < TILES:
                     commit_state_tile(state, slot_stride, offsets, mask, corr, key, decay,
                                       row, tile_index, tile, n, final, boundary, boundary_len, max_window,
-                                      null_slot, H, HV, K, V, K_PAD, BV, V_TILES, STATE_DTYPE)
+                                      null_slot, H, HV, K, V, K_PAD, BV, V_TILES, STATE_DTYPE, REPLAY_PAIRS)
         else:
             conv = tl.load(lt + LAYER_CONV)
             conv_dim = tl.load(lt + LAYER_CONV_DIM)

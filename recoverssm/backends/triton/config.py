@@ -25,6 +25,7 @@ class CommitTile(NamedTuple):
     tiles_per_program: int
     prefetch_records: bool
     prefetch_next_tile: bool
+    replay_pairs: int
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class LaunchConfig:
     commit_tiles_per_program_bf16: Optional[int] = None
     commit_prefetch_records: bool = False
     commit_prefetch_next_tile: bool = False
+    commit_replay_pairs: int = 0
     conv_block: int = 128
     conv_warps: int = 4
     plan_block: int = 128
@@ -85,10 +87,11 @@ class LaunchConfig:
                               self.commit_warps_bf16 or self.commit_warps,
                               self.commit_max_registers_bf16 or self.commit_max_registers,
                               self.commit_tiles_per_program_bf16 or self.commit_tiles_per_program,
-                              self.commit_prefetch_records, self.commit_prefetch_next_tile)
+                              self.commit_prefetch_records, self.commit_prefetch_next_tile,
+                              self.commit_replay_pairs)
         return CommitTile(self.commit_block_v, self.commit_warps, self.commit_max_registers,
                           self.commit_tiles_per_program, self.commit_prefetch_records,
-                          self.commit_prefetch_next_tile)
+                          self.commit_prefetch_next_tile, self.commit_replay_pairs)
 
     def options(self, num_warps: int, num_stages: Optional[int] = None,
                 max_registers: Optional[int] = None) -> dict:

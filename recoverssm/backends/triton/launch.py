@@ -249,7 +249,8 @@ class TritonCommitter(Committer):
                                # The hints are PTX, which Triton's interpreter cannot run.
                                PREFETCH_RECORDS=tile.prefetch_records and not interpreting(),
                                PREFETCH_NEXT_TILE=tile.prefetch_next_tile and tiles_per_program > 1
-                               and not interpreting())
+                               and not interpreting(),
+                               REPLAY_PAIRS=tile.replay_pairs)
         self.options = cfg.options(tile.warps, max_registers=tile.max_registers)
         self._repeat = None
 
