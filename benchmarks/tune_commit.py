@@ -37,7 +37,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--grid", help="comma-separated ROWSxWARPS[xMAXNREG[xTILES[xPREFETCH[xPAIRS]]]] (MAXNREG 0 = "
                                    "no cap; PREFETCH: 1 hints the records, 2 the next tile, 3 both; PAIRS: "
-                                   "commit_replay_pairs, 0 one record ahead, 1 two at a time, 2 two ahead)")
+                                   "1 loads the replay records of two positions at a time, 0 one ahead)")
     ap.add_argument("--repeat", type=int, default=1, help="passes over the grid (an A/B within one run)")
     args = ap.parse_args()
     ceiling = CopyCeiling("cuda")
@@ -58,7 +58,7 @@ def main():
                                                    commit_tiles_per_program=tiles,
                                                    commit_prefetch_records=bool(prefetch & 1),
                                                    commit_prefetch_next_tile=bool(prefetch & 2),
-                                                   commit_replay_pairs=pairs))
+                                                   commit_replay_pairs=bool(pairs)))
             us = median_us([functools.partial(ctx.commit, step.num_accepted, step.state_indices,
                                               step.query_start_loc, **kw)], iters=40)
             row = dict(case=name, bv=bv, warps=warps, maxnreg=cap, tiles=tiles, prefetch=prefetch, pairs=pairs,

@@ -23,11 +23,13 @@ class CudaBackend(TritonBackend):
         # waits on memory token by token); bf16 commits: 16 V rows x 1 warp at 128 registers, 2
         # tiles per program (one plan for both), the second tile hinted into L2 while the first
         # is replayed: 0.904x -> 0.927x copy at 64 requests, 0.863x -> 0.898x at 8; fp32 0.920x
-        # -> 0.922x (tune_commit, docs/BENCHMARKS.md).
+        # -> 0.922x; the bf16 replay loads two positions' records at a time: 0.925x -> 0.930x at
+        # 64 requests, 0.898x -> 0.901x at 8 (fp32: 0.919x -> 0.917x, so not there) (tune_commit,
+        # docs/BENCHMARKS.md).
         None: LaunchConfig(gdn_small_grid_programs=792, gdn_small_grid_rows=4, gdn_small_grid_max_registers=168,
                            commit_block_v_bf16=16, commit_warps_bf16=1, commit_max_registers_bf16=128,
                            commit_tiles_per_program_bf16=2, commit_prefetch_records=True,
-                           commit_prefetch_next_tile=True),
+                           commit_prefetch_next_tile=True, commit_replay_pairs_bf16=True),
     }
 
     def device_present(self) -> bool:

@@ -137,22 +137,13 @@ def replay_tokens(S, corr_row, key_row, decay_row, first, last, offs_v, mask_v, 
                   V: tl.constexpr, K: tl.constexpr, PAIRS: tl.constexpr):
     """``S = fma(c_t, k^_t, S * d_t)`` for window positions ``first <= t < last`` (``[BV, K_PAD]`` tile).
 
-    ``PAIRS == 0``: the next position's record is loaded while the current one is applied:
-    otherwise every token waits a full memory latency for its few hundred bytes, which is what
-    bounded the bf16 commit (half the state bytes per tile, the same chain of record loads).
-    ``PAIRS == 1``: two positions' records are loaded together, then both applied (one wait per
-    two tokens, no record held across iterations); ``PAIRS == 2``: the same, the next pair
-    loaded while the current one is applied. The products and their order are the same in every
-    variant."""
-    if PAIRS == 0:
-        correction, k_hat, decay = load_record(corr_row, key_row, decay_row, first, first < last,
-                                               offs_v, mask_v, offs_k, mask_k, V, K)
-        for t in range(first, last):
-            next_correction, next_k_hat, next_decay = load_record(
-                corr_row, key_row, decay_row, t + 1, t + 1 < last, offs_v, mask_v, offs_k, mask_k, V, K)
-            S = tl.fma(correction[:, None], k_hat[None, :], S * decay)
-            correction, k_hat, decay = next_correction, next_k_hat, next_decay
-    elif PAIRS == 1:
+    A token waits for its replay record (a few hundred bytes) unless the load went out earlier:
+    that wait, once per token, is what bounds a program's life. By default the next position's
+    record is loaded while the current one is applied. With ``PAIRS`` the records of two
+    positions are loaded together and then both applied: one wait per two tokens, and no record
+    held across iterations (the one-ahead load of a pair needs more registers than a bf16 tile's
+    cap leaves). The same products in the same order either way."""
+    if PAIRS:
         for t in range(first, last, 2):
             c0, k0, d0 = load_record(corr_row, key_row, decay_row, t, True, offs_v, mask_v, offs_k, mask_k, V, K)
             c1, k1, d1 = load_record(corr_row, key_row, decay_row, t + 1, t + 1 < last,
@@ -161,18 +152,13 @@ def replay_tokens(S, corr_row, key_row, decay_row, first, last, offs_v, mask_v, 
             if t + 1 < last:
                 S = tl.fma(c1[:, None], k1[None, :], S * d1)
     else:
-        c0, k0, d0 = load_record(corr_row, key_row, decay_row, first, first < last,
-                                 offs_v, mask_v, offs_k, mask_k, V, K)
-        c1, k1, d1 = load_record(corr_row, key_row, decay_row, first + 1, first + 1 < last,
-                                 offs_v, mask_v, offs_k, mask_k, V, K)
-        for t in range(first, last, 2):
-            n0 = load_record(corr_row, key_row, decay_row, t + 2, t + 2 < last, offs_v, mask_v, offs_k, mask_k, V, K)
-            n1 = load_record(corr_row, key_row, decay_row, t + 3, t + 3 < last, offs_v, mask_v, offs_k, mask_k, V, K)
-            S = tl.fma(c0[:, None], k0[None, :], S * d0)
-            if t + 1 < last:
-                S = tl.fma(c1[:, None], k1[None, :], S * d1)
-            c0, k0, d0 = n0
-            c1, k1, d1 = n1
+        correction, k_hat, decay = load_record(corr_row, key_row, decay_row, first, first < last,
+                                               offs_v, mask_v, offs_k, mask_k, V, K)
+        for t in range(first, last):
+            next_correction, next_k_hat, next_decay = load_record(
+                corr_row, key_row, decay_row, t + 1, t + 1 < last, offs_v, mask_v, offs_k, mask_k, V, K)
+            S = tl.fma(correction[:, None], k_hat[None, :], S * decay)
+            correction, k_hat, decay = next_correction, next_k_hat, next_decay
     return S
 
 

@@ -25,7 +25,7 @@ class CommitTile(NamedTuple):
     tiles_per_program: int
     prefetch_records: bool
     prefetch_next_tile: bool
-    replay_pairs: int
+    replay_pairs: bool
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,9 @@ class LaunchConfig:
     ``commit_prefetch_records``, ``commit_prefetch_next_tile``: L2 prefetch hints (PTX, so NVIDIA
     GPUs only; never under Triton's interpreter) for the replay records of a program's tiles, at
     its start, and for its next state tile, before the current one is replayed;
+    ``commit_replay_pairs``, ``commit_replay_pairs_bf16``: the replay loads the records of two
+    window positions at a time instead of the next position's while applying the current one
+    (``commit.replay_tokens``);
     ``conv_block``: channels per conv program.
     ``compile_options``: extra options for every launch (e.g. ``grf_mode`` on Intel GPUs).
     """
@@ -74,7 +77,8 @@ class LaunchConfig:
     commit_tiles_per_program_bf16: Optional[int] = None
     commit_prefetch_records: bool = False
     commit_prefetch_next_tile: bool = False
-    commit_replay_pairs: int = 0
+    commit_replay_pairs: bool = False
+    commit_replay_pairs_bf16: Optional[bool] = None
     conv_block: int = 128
     conv_warps: int = 4
     plan_block: int = 128
@@ -88,7 +92,8 @@ class LaunchConfig:
                               self.commit_max_registers_bf16 or self.commit_max_registers,
                               self.commit_tiles_per_program_bf16 or self.commit_tiles_per_program,
                               self.commit_prefetch_records, self.commit_prefetch_next_tile,
-                              self.commit_replay_pairs)
+                              self.commit_replay_pairs if self.commit_replay_pairs_bf16 is None
+                              else self.commit_replay_pairs_bf16)
         return CommitTile(self.commit_block_v, self.commit_warps, self.commit_max_registers,
                           self.commit_tiles_per_program, self.commit_prefetch_records,
                           self.commit_prefetch_next_tile, self.commit_replay_pairs)
