@@ -138,7 +138,8 @@ def replay_tokens(S, corr_row, key_row, decay_row, first, last, offs_v, mask_v, 
     """``S = fma(c_t, k^_t, S * d_t)`` for window positions ``first <= t < last`` (``[BV, K_PAD]`` tile).
 
     A token waits for its replay record (a few hundred bytes) unless the load went out earlier:
-    that wait, once per token, is what bounds a program's life. By default the next position's
+    that wait, once per token, is a large part of a commit program's life (docs/BENCHMARKS.md,
+    "Ninth session"). By default the next position's
     record is loaded while the current one is applied. With ``PAIRS`` the records of two
     positions are loaded together and then both applied: one wait per two tokens, and no record
     held across iterations (the one-ahead load of a pair needs more registers than a bf16 tile's
