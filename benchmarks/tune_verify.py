@@ -7,6 +7,7 @@ Prints, per configuration, verify time at the issue's shapes and the ratio to a 
 bytes; writes tune_verify.json under $OUT when set.
 """
 import argparse
+import itertools
 import json
 import os
 from dataclasses import replace
@@ -42,8 +43,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--ncu-case", action="store_true")
-    ap.add_argument("--grid", help="configurations to sweep, e.g. 8x4,8x4x128 "
-                    "(lanes_k x rows [x register cap, 0: none])")
+    ap.add_argument("--grid", help="configurations to sweep, e.g. 8x4,8x4x128,8x8x0x0 "
+                    "(lanes_k x rows [x register cap, 0: none [x PTX widening of bf16 inputs, 0 or 1; "
+                    "default: the launch table's]])")
+    ap.add_argument("--repeat", type=int, default=1, help="passes over the grid (an A/B within one run)")
     args = ap.parse_args()
     if args.ncu_case:
         w = window(64, 4, H, 48, K, V)
@@ -56,8 +59,8 @@ def main():
     ceiling = CopyCeiling("cuda")
     shapes = [(64, 4, 48, "verify"), (64, 8, 48, "verify"), (256, 4, 48, "verify"), (8, 4, 48, "verify"),
               (1, 4, 48, "verify"), (8, 8, 48, "verify"), (1, 8, 48, "verify"), (1, 2, 32, "verify"),
-              (1, 2, 48, "verify"),
-              (64, 4, 48, "snapshot")]
+              (1, 2, 48, "verify"), (64, 4, 32, "verify"), (64, 8, 32, "verify"),
+              (64, 4, 48, "snapshot"), (64, 8, 32, "snapshot")]
     wins = {}
     for N, T, HV, _ in shapes:
         if (N, T, HV) not in wins:
@@ -66,18 +69,23 @@ def main():
     # (lanes along K, rows per thread, register cap): check a cap compiles without spills
     # (`python ci/compile_kernels.py` with Triton 3.6 for sm_90) before spending GPU time on it.
     # Lanes along K above launch.MAX_LANES_K (16) run as 16, so the sweep stops there.
-    grid = [(8, 8, None), (8, 4, 168), (8, 4, None), (16, 8, 168), (16, 8, None)]
-    if args.grid:
-        grid = [tuple(int(x) or None for x in c.split("x")) + (None,) * (3 - len(c.split("x")))
-                for c in args.grid.split(",")]
-    if args.quick:
-        grid = grid[:3]
     # the cuda backend's table row (small-grid rule included) with the swept fields replaced
     base = CudaBackend.launch_table[None]
+    widen = int(base.gdn_ptx_widen_bf16)
+    grid = [(8, 8, None, widen), (8, 4, 168, widen), (8, 4, None, widen), (16, 8, 168, widen), (16, 8, None, widen)]
+    if args.grid:
+        grid = []
+        for spec in args.grid.split(","):
+            fields = list(map(int, spec.split("x")))
+            lanes_k, rows, cap, widen_spec = fields + [0, 0, 0, widen][len(fields):]
+            grid.append((lanes_k, rows, cap or None, widen_spec))
+    if args.quick:
+        grid = grid[:3]
     results = []
-    for lanes_k, rows, max_registers in grid:
-        cfg = replace(base, gdn_lanes_k=lanes_k, gdn_rows=rows, gdn_max_registers=max_registers)
-        row = dict(lanes_k=lanes_k, rows=rows, max_registers=max_registers)
+    for _, (lanes_k, rows, max_registers, widen) in itertools.product(range(args.repeat), grid):
+        cfg = replace(base, gdn_lanes_k=lanes_k, gdn_rows=rows, gdn_max_registers=max_registers,
+                      gdn_ptx_widen_bf16=bool(widen))
+        row = dict(lanes_k=lanes_k, rows=rows, max_registers=max_registers, widen=widen)
         try:
             for N, T, HV, mode in shapes:
                 ws = wins[(N, T, HV)]

@@ -143,6 +143,52 @@ def test_rows_per_thread_do_not_change_the_bits(s):
     assert torch.equal(committed, results[-1][3])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [8, 4])
+def test_ptx_widening_does_not_change_the_bits(rows):
+    """``gdn_ptx_widen_bf16`` widens bf16 token inputs with bit operations instead of the
+    compiler's cast (PTX, so a GPU-only test: the interpreter never takes that path). Verify's
+    outputs and records, native decode's state and every snapshot are identical either way, with
+    token inputs that include signed zeros, bf16 subnormals and large values (1e30: larger
+    ones overflow the state to NaN, which torch.equal cannot compare)."""
+    from dataclasses import replace
+
+    from recoverssm.backends.triton import launch
+    from recoverssm.core.backend import GateInputs
+
+    K = V = 128
+    p = make_problem([3, 1, 4, 2], T=4, padding=(1,), H=4, HV=12, K=K, V=V, device="cuda",
+                     act_dtype=torch.bfloat16, num_slots=8 + 10 * 4, sources_below=8)
+    tiny = torch.finfo(torch.bfloat16).tiny
+    special = torch.tensor([0.0, -0.0, tiny / 4, -tiny / 2, tiny, 1.0, -1.0e30, 1.0e30],
+                           dtype=torch.bfloat16, device="cuda")
+    p.v[:, :, :8] = special        # v enters the correction linearly: every value must widen exactly
+    p.k[:, :, 1:9] = special[:4].repeat(2)
+    p.q[:, :, 5:13] = special[:4].repeat(2)
+    gates = GateInputs(**p.gates)
+    snapshot_slots = torch.arange(p.B * p.T, dtype=torch.int32, device="cuda").view(p.B, p.T) + 8
+    results = []
+    for widen in (False, True):
+        cfg = replace(launch.LaunchConfig(), gdn_rows=rows, gdn_ptx_widen_bf16=widen)
+        rec = p.records()
+        out = torch.empty_like(p.v)
+        launch.gdn_recurrent(cfg, "verify", p.q, p.k, p.v, p.state, p.state_indices, p.query_start_loc,
+                             gates, K ** -0.5, True, -1, out, (rec.correction, rec.key, rec.decay), None)
+        native = p.state.clone()
+        launch.gdn_recurrent(cfg, "decode", p.q, p.k, p.v, native, p.state_indices, p.query_start_loc,
+                             gates, K ** -0.5, True, -1, torch.empty_like(p.v), None, None)
+        snapshots = p.state.clone()
+        launch.gdn_recurrent(cfg, "snapshot", p.q, p.k, p.v, snapshots, p.state_indices, p.query_start_loc,
+                             gates, K ** -0.5, True, -1, torch.empty_like(p.v), None, snapshot_slots)
+        results.append((out, rec, native, snapshots))
+    (out0, rec0, native0, snap0), (out1, rec1, native1, snap1) = results
+    assert torch.equal(out0, out1)
+    for name in ("correction", "key", "decay"):
+        assert torch.equal(getattr(rec0, name), getattr(rec1, name)), name
+    assert torch.equal(native0, native1)
+    assert torch.equal(snap0, snap1)
+
+
 @pytest.mark.parametrize("s", SETTINGS)
 def test_state_with_padded_rows(s):
     """A state pool whose V rows are padded (row stride > K; the kernel specializes on the row

@@ -27,6 +27,7 @@ class CudaBackend(TritonBackend):
         # 64 requests, 0.898x -> 0.901x at 8 (fp32: 0.919x -> 0.917x, so not there) (tune_commit,
         # docs/BENCHMARKS.md).
         None: LaunchConfig(gdn_small_grid_programs=792, gdn_small_grid_rows=4, gdn_small_grid_max_registers=168,
+                           gdn_ptx_widen_bf16=True,
                            commit_block_v_bf16=16, commit_warps_bf16=1, commit_max_registers_bf16=128,
                            commit_tiles_per_program_bf16=2, commit_prefetch_records=True,
                            commit_prefetch_next_tile=True, commit_replay_pairs_bf16=True),

@@ -42,6 +42,11 @@ class LaunchConfig:
     ``gdn_small_grid_programs`` (too few to fill the GPU) uses at most ``gdn_small_grid_rows`` rows
     per thread, with that register cap: more, shorter programs. Rows per thread do not change the
     arithmetic of a row (the lanes along K do), so calls of either size agree bit for bit;
+    ``gdn_ptx_widen_bf16``: the recurrence widens bf16 token inputs to fp32 with two PTX bit
+    operations per pair of values instead of the compiler's cast (the same bits, fewer
+    instructions; NVIDIA GPUs only, never under Triton's interpreter; ``numerics.to_fp32``);
+    applied over fp32 states only: over bf16 states the default tile then spilled 720 bytes
+    (sm_90, Triton 3.6);
     ``commit_block_v``, ``commit_warps``: V rows per commit program and its warps;
     ``commit_block_v_bf16``, ``commit_warps_bf16``: the same for bf16 states when set (half the
     bytes per row: the replay's arithmetic, not memory, decides the best tile; the commit is
@@ -67,6 +72,7 @@ class LaunchConfig:
     gdn_small_grid_programs: int = 0
     gdn_small_grid_rows: int = 4
     gdn_small_grid_max_registers: Optional[int] = None
+    gdn_ptx_widen_bf16: bool = False
     commit_block_v: int = 32
     commit_warps: int = 1
     commit_block_v_bf16: Optional[int] = None

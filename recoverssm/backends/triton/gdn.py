@@ -31,7 +31,7 @@ updated. Verify, decode and snapshot execute the same instructions on the same v
 import triton
 import triton.language as tl
 
-from .numerics import to_storage
+from .numerics import to_fp32, to_storage
 
 MODE_VERIFY = tl.constexpr(0)
 MODE_DECODE = tl.constexpr(1)
@@ -170,11 +170,11 @@ def fetch_token(tok, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, stride_q_t, stride_k_t, 
 
 @triton.jit
 def prepare_token(k_t, q_t, v_t, a_t, b_t, neg_A, dt_bias, scale,
-                  GATES_PRECOMPUTED: tl.constexpr, USE_L2NORM: tl.constexpr):
+                  GATES_PRECOMPUTED: tl.constexpr, USE_L2NORM: tl.constexpr, PTX_WIDEN_BF16: tl.constexpr):
     """One fetched token, ready for the step: ``k^``, ``q^`` (normalized, scaled), ``v``, decay
     and beta, all fp32."""
-    k_hat = k_t.to(tl.float32)
-    q_hat = q_t.to(tl.float32)
+    k_hat = to_fp32(k_t, PTX_WIDEN_BF16)
+    q_hat = to_fp32(q_t, PTX_WIDEN_BF16)
     a_t = a_t.to(tl.float32)
     b_t = b_t.to(tl.float32)
     if USE_L2NORM:
@@ -188,7 +188,7 @@ def prepare_token(k_t, q_t, v_t, a_t, b_t, neg_A, dt_bias, scale,
     else:
         decay = tl.exp(neg_A * softplus(a_t + dt_bias))
         beta = 1.0 / (1.0 + tl.exp(-b_t))
-    return k_hat, q_hat, v_t.to(tl.float32), decay, beta
+    return k_hat, q_hat, to_fp32(v_t, PTX_WIDEN_BF16), decay, beta
 
 
 # Everything that may differ between a verify call and the native call it must match (token
@@ -218,6 +218,7 @@ def gdn_recurrent_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, STRIDE_S_V: tl.constexpr,
     K_PAD: tl.constexpr, K_INNER: tl.constexpr, ROWS: tl.constexpr, ROW_LANES: tl.constexpr,
     GATES_PRECOMPUTED: tl.constexpr, USE_L2NORM: tl.constexpr, ALIGNED: tl.constexpr,
+    PTX_WIDEN_BF16: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     hv = tl.program_id(1)
@@ -271,7 +272,7 @@ def gdn_recurrent_kernel(
                                   stride_q_t, stride_k_t, stride_v_t, stride_a_t, stride_b_t, q_head, k_head,
                                   v_head, hv, offs_k, mask_k, offs_v, mask_v, ALIGNED, EXACT_K, EXACT_V)
             k_hat, q_hat, v_t, decay, beta = prepare_token(k_t, q_t, v_t, a_t, b_t, neg_A, dt_bias, scale,
-                                                           GATES_PRECOMPUTED, USE_L2NORM)
+                                                           GATES_PRECOMPUTED, USE_L2NORM, PTX_WIDEN_BF16)
 
             S, correction, o_t = delta_rule_step(S, k_hat, q_hat, v_t, beta, decay)
 

@@ -148,7 +148,8 @@ def _launch_recurrent(cfg: LaunchConfig, mode: str, q, k, v, state, state_indice
          T, state.shape[0], null_slot, max_window, scale, MODES[mode]),
         dict(H=H, HV=HV, K=K, V=V, STRIDE_S_V=state.stride(2), K_PAD=tile.k_pad, K_INNER=tile.k_inner, ROWS=tile.rows,
              ROW_LANES=tile.row_lanes, GATES_PRECOMPUTED=gates.precomputed,
-             USE_L2NORM=bool(use_qk_l2norm), ALIGNED=aligned),
+             USE_L2NORM=bool(use_qk_l2norm), ALIGNED=aligned,
+             PTX_WIDEN_BF16=cfg.gdn_ptx_widen_bf16 and state.dtype == torch.float32 and not interpreting()),
         cfg.options(cfg.gdn_warps, cfg.gdn_stages, tile.max_registers))
 
 

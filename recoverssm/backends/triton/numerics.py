@@ -1,4 +1,4 @@
-"""Rounding helpers shared by the kernels."""
+"""Rounding and widening helpers shared by the kernels."""
 import triton
 import triton.language as tl
 
@@ -32,3 +32,21 @@ def to_storage(x, DTYPE: tl.constexpr):
             return round_to_bf16(x)
     else:
         return x.to(DTYPE)
+
+
+@triton.jit
+def to_fp32(x, PTX_WIDEN_BF16: tl.constexpr):
+    """Widen a tile of token inputs to fp32 (exact for every input dtype).
+
+    With ``PTX_WIDEN_BF16`` a bf16 tile is widened two values at a time, as the 32-bit register
+    that holds them: the low value is the register shifted left by 16 bits, the high value the
+    register with its low 16 bits cleared (one instruction each). ptxas spends three
+    instructions per pair on the plain cast (a byte permute and a shift for the high value), and
+    the recurrence kernel widens 40 values per token and thread, so this is about 5% of its
+    per-token instructions (docs/BENCHMARKS.md). The result is the same bits either way: a bf16
+    value is the top half of its fp32 value. PTX, so compiled kernels on NVIDIA GPUs only."""
+    if PTX_WIDEN_BF16 and x.dtype == tl.bfloat16:
+        return tl.inline_asm_elementwise("{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xffff0000; }", "=r,=r,r", [x],
+                                         dtype=tl.float32, is_pure=True, pack=2)
+    else:
+        return x.to(tl.float32)
