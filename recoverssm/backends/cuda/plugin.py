@@ -25,7 +25,9 @@ class CudaBackend(TritonBackend):
         # is replayed: 0.904x -> 0.927x copy at 64 requests, 0.863x -> 0.898x at 8; fp32 0.920x
         # -> 0.922x; the bf16 replay loads two positions' records at a time: 0.925x -> 0.930x at
         # 64 requests, 0.898x -> 0.901x at 8 (fp32: 0.919x -> 0.917x, so not there) (tune_commit,
-        # docs/BENCHMARKS.md).
+        # docs/BENCHMARKS.md). The recurrence widens bf16 token inputs with PTX bit operations
+        # over fp32 states: 5% fewer instructions per token, verify N=64, T=4, HV=48 91.1 ->
+        # 88.6 us (tune_verify, docs/BENCHMARKS.md).
         None: LaunchConfig(gdn_small_grid_programs=792, gdn_small_grid_rows=4, gdn_small_grid_max_registers=168,
                            gdn_ptx_widen_bf16=True,
                            commit_block_v_bf16=16, commit_warps_bf16=1, commit_max_registers_bf16=128,
