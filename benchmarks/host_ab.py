@@ -7,7 +7,8 @@ every call) for two source trees, alternating processes, on a GPU.
 The lent machines' CPU speed differs between processes by up to 1.5x for the same code
 (docs/BENCHMARKS.md, "Host time"), so a change is judged by alternating the two trees, one
 process each, several rounds, in one device call. Prints per process three medians of 200 calls
-(wall / thread CPU time, us).
+(wall / thread CPU time, us), and the same for ``torch.empty(8)`` on the GPU as a measure of that
+process's CPU speed.
 """
 import os
 import subprocess
@@ -24,7 +25,9 @@ kw = dict(state_indices=[step.state_indices.clone() for _ in range(3)],
           num_computed_tokens=[step.num_computed_tokens.clone() for _ in range(3)],
           block_size=step.block_size)
 call = lambda: ctx.commit(step.num_accepted, query_start_loc=step.query_start_loc, **kw)
-print(" ".join(f"{r['wall_us']:.1f}/{r['cpu_us']:.1f}" for r in (host_times(call) for _ in range(3))))
+medians = " ".join(f"{r['wall_us']:.1f}/{r['cpu_us']:.1f}" for r in (host_times(call) for _ in range(3)))
+reference = host_times(lambda: torch.empty(8, device="cuda"))
+print(f"{medians}   torch.empty(8): {reference['wall_us']:.1f}/{reference['cpu_us']:.1f}")
 """
 
 

@@ -13,7 +13,7 @@ from recoverssm.bench.problems import align_step, commit_context, per_group_indi
 from recoverssm.bench.timing import host_times
 from recoverssm.core import api
 from recoverssm.core.backend import GroupStep
-from recoverssm.core.commit import _check_step_shapes, _signature
+from recoverssm.core.commit import _check_step_shapes, _StepSignature
 from recoverssm.core.validation import Checker
 
 H, K, V = 16, 128, 128
@@ -46,12 +46,13 @@ def main():
     whole_call()        # the second call with the same tensors binds the repeated launch
     same = (step.num_accepted, kw["state_indices"], step.query_start_loc, None, kw["block_table"],
             kw["num_computed_tokens"], step.block_size)
+    last = _StepSignature(same)
     launch_args = committer._launch_args(step.num_accepted, step.query_start_loc, groups, R)
     bound = launch._GROUPED_COMMIT.bind(*launch_args)
     if bound is None:
         raise SystemExit("host_breakdown.py needs the direct launch path (a CUDA GPU, no TRITON_INTERPRET)")
     rows = [("commit: whole call", whole_call),
-            ("commit: signature of the step", lambda: _signature(*same)),
+            ("commit: signature of the step (matching the last)", lambda: last.matches(same)),
             ("commit: committer.commit_again", lambda: committer.commit_again(
                 step.num_accepted, step.query_start_loc, ctx._last_steps)),
             ("commit: shape checks (3 groups; first call only)", checks),

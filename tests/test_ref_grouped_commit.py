@@ -181,6 +181,15 @@ def test_repeated_step_skips_only_checks_that_would_pass(monkeypatch):
         expected = decode_after(p, [1, 2, 1, 1], pool=expected)
         assert torch.equal(layer.state, expected)
     assert len(calls) == 1
+    ctx.commit(accepted, [p.state_indices], p.qsl)      # the same tensors, passed as a list: checked
+    assert len(calls) == 2
+    qsl = p.qsl.clone()
+    ctx.commit(accepted, p.state_indices, qsl)
+    ctx.commit(accepted, p.state_indices, qsl)
+    assert len(calls) == 3
+    qsl.resize_(qsl.shape[0] - 1)                       # the very tensor, shrunk in place: checked
+    with pytest.raises(ValueError, match="query_start_loc"):
+        ctx.commit(accepted, p.state_indices, qsl)
     with pytest.raises(TypeError, match="state_indices"):
         ctx.commit(accepted, p.state_indices.to(torch.int64), p.qsl)
     with pytest.raises(ValueError, match="query_start_loc"):
