@@ -103,6 +103,30 @@ def test_verify_is_batch_invariant(s):
         assert torch.equal(getattr(rec_two, name)[:2], getattr(rec_all, name)[:2]), name
 
 
+def launch_every_mode(p, cfg, snapshot_slots=None):
+    """Problem ``p`` through the recurrence launcher with ``cfg``: verify's outputs and records,
+    the pool after native decode and, given ``snapshot_slots``, the pool after snapshot (else
+    None)."""
+    from recoverssm.backends.triton import launch
+    from recoverssm.core.backend import GateInputs
+
+    args = (p.q, p.k, p.v)
+    tail = (GateInputs(**p.gates), p.K ** -0.5, True, -1)
+    rec = p.records()
+    out = torch.empty_like(p.v)
+    launch.gdn_recurrent(cfg, "verify", *args, p.state, p.state_indices, p.query_start_loc, *tail, out,
+                         (rec.correction, rec.key, rec.decay), None)
+    native = p.state.clone()
+    launch.gdn_recurrent(cfg, "decode", *args, native, p.state_indices, p.query_start_loc, *tail,
+                         torch.empty_like(p.v), None, None)
+    snapshots = None
+    if snapshot_slots is not None:
+        snapshots = p.state.clone()
+        launch.gdn_recurrent(cfg, "snapshot", *args, snapshots, p.state_indices, p.query_start_loc, *tail,
+                             torch.empty_like(p.v), None, snapshot_slots)
+    return out, rec, native, snapshots
+
+
 @pytest.mark.parametrize("s", [
     pytest.param(dict(device="cpu", H=1, HV=2, K=64, V=64), marks=pytest.mark.interpreter, id="interp"),
     pytest.param(dict(device="cuda", H=4, HV=12, K=128, V=128), marks=pytest.mark.gpu, id="gpu"),
@@ -115,22 +139,13 @@ def test_rows_per_thread_do_not_change_the_bits(s):
     from dataclasses import replace
 
     from recoverssm.backends.triton import launch
-    from recoverssm.core.backend import GateInputs
 
     device, K, V = s["device"], s["K"], s["V"]
     p = make_problem([3, 1, 4, 2], T=4, padding=(1,), H=s["H"], HV=s["HV"], K=K, V=V, device=device,
                      num_slots=8, sources_below=6)
-    gates = GateInputs(**p.gates)
     results = []
     for rows in (8, 4, 2, 1):
-        cfg = replace(launch.LaunchConfig(), gdn_rows=rows)
-        rec = p.records()
-        out = torch.empty_like(p.v)
-        launch.gdn_recurrent(cfg, "verify", p.q, p.k, p.v, p.state, p.state_indices, p.query_start_loc,
-                             gates, K ** -0.5, True, -1, out, (rec.correction, rec.key, rec.decay), None)
-        native = p.state.clone()
-        launch.gdn_recurrent(cfg, "decode", p.q, p.k, p.v, native, p.state_indices, p.query_start_loc,
-                             gates, K ** -0.5, True, -1, torch.empty_like(p.v), None, None)
+        out, rec, native, _ = launch_every_mode(p, replace(launch.LaunchConfig(), gdn_rows=rows))
         results.append((rows, out, rec, native))
     _, out8, rec8, native8 = results[0]
     for rows, out, rec, native in results[1:]:
@@ -154,7 +169,6 @@ def test_ptx_widening_does_not_change_the_bits(rows):
     from dataclasses import replace
 
     from recoverssm.backends.triton import launch
-    from recoverssm.core.backend import GateInputs
 
     K = V = 128
     p = make_problem([3, 1, 4, 2], T=4, padding=(1,), H=4, HV=12, K=K, V=V, device="cuda",
@@ -165,23 +179,10 @@ def test_ptx_widening_does_not_change_the_bits(rows):
     p.v[:, :, :8] = special        # v enters the correction linearly: every value must widen exactly
     p.k[:, :, 1:9] = special[:4].repeat(2)
     p.q[:, :, 5:13] = special[:4].repeat(2)
-    gates = GateInputs(**p.gates)
     snapshot_slots = torch.arange(p.B * p.T, dtype=torch.int32, device="cuda").view(p.B, p.T) + 8
-    results = []
-    for widen in (False, True):
-        cfg = replace(launch.LaunchConfig(), gdn_rows=rows, gdn_ptx_widen_bf16=widen)
-        rec = p.records()
-        out = torch.empty_like(p.v)
-        launch.gdn_recurrent(cfg, "verify", p.q, p.k, p.v, p.state, p.state_indices, p.query_start_loc,
-                             gates, K ** -0.5, True, -1, out, (rec.correction, rec.key, rec.decay), None)
-        native = p.state.clone()
-        launch.gdn_recurrent(cfg, "decode", p.q, p.k, p.v, native, p.state_indices, p.query_start_loc,
-                             gates, K ** -0.5, True, -1, torch.empty_like(p.v), None, None)
-        snapshots = p.state.clone()
-        launch.gdn_recurrent(cfg, "snapshot", p.q, p.k, p.v, snapshots, p.state_indices, p.query_start_loc,
-                             gates, K ** -0.5, True, -1, torch.empty_like(p.v), None, snapshot_slots)
-        results.append((out, rec, native, snapshots))
-    (out0, rec0, native0, snap0), (out1, rec1, native1, snap1) = results
+    (out0, rec0, native0, snap0), (out1, rec1, native1, snap1) = (
+        launch_every_mode(p, replace(launch.LaunchConfig(), gdn_rows=rows, gdn_ptx_widen_bf16=widen), snapshot_slots)
+        for widen in (False, True))
     assert torch.equal(out0, out1)
     for name in ("correction", "key", "decay"):
         assert torch.equal(getattr(rec0, name), getattr(rec1, name)), name
