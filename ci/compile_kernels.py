@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 
+import torch
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
@@ -30,7 +31,7 @@ from triton.compiler import ASTSource
 from recoverssm.backends.triton.commit import grouped_commit_kernel, plan_commit_kernel
 from recoverssm.backends.triton.conv import conv_verify_kernel
 from recoverssm.backends.triton.gdn import gdn_recurrent_kernel
-from recoverssm.backends.triton.launch import LaunchConfig, recurrence_tile
+from recoverssm.backends.triton.launch import LaunchConfig, ptx_widening, recurrence_tile
 
 
 def _signature(fn, pointer_types: dict[str, str], constexprs: dict, default: str = "i32"):
@@ -116,7 +117,7 @@ def cases(cfg: LaunchConfig, K=128, V=128, H=16, HV=48):
             yield (f"gdn_recurrent precomputed={gates} state={state}", gdn_recurrent_kernel,
                    dict(H=H, HV=HV, K=K, V=V, STRIDE_S_V=K, K_PAD=tile.k_pad, K_INNER=tile.k_inner, ROWS=tile.rows,
                         ROW_LANES=tile.row_lanes, GATES_PRECOMPUTED=gates, USE_L2NORM=True, ALIGNED=True,
-                        PTX_WIDEN_BF16=cfg.gdn_ptx_widen_bf16),
+                        PTX_WIDEN_BF16=ptx_widening(cfg, torch.float32 if state == "*fp32" else torch.bfloat16)),
                    {**ints, **f32, "state_ptr": state, "q_ptr": "*bf16", "k_ptr": "*bf16",
                     "v_ptr": "*bf16", "out_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16"},
                    cfg.options(cfg.gdn_warps, cfg.gdn_stages, cfg.gdn_max_registers))

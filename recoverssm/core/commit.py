@@ -166,7 +166,7 @@ class _StepSignature:
     checks and needs the same launch; only the tensors' values may differ.
 
     ``matches`` compares field by field and stops at the first difference: on the H200 machines'
-    CPUs the metadata reads are most of a repeated commit's host time (docs/BENCHMARKS.md)."""
+    CPUs the metadata reads are about half of a repeated commit's host time (docs/BENCHMARKS.md)."""
 
     __slots__ = ("tensors", "metadata", "rest")
 

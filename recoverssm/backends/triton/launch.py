@@ -107,6 +107,13 @@ def recurrence_tile(cfg: LaunchConfig, K: int, V: int, heads_times_rows: Optiona
     return RecurrenceTile(k_pad, k_inner, rows, row_lanes, max_registers)
 
 
+def ptx_widening(cfg: LaunchConfig, state_dtype: torch.dtype) -> bool:
+    """Whether the recurrence widens bf16 token inputs with PTX (``numerics.to_fp32``): where the
+    launch table asks for it and the state is fp32 (over bf16 states the default tile spilled),
+    never under Triton's interpreter."""
+    return cfg.gdn_ptx_widen_bf16 and state_dtype == torch.float32 and not interpreting()
+
+
 def gdn_recurrent(cfg: LaunchConfig, mode: str, q, k, v, state, state_indices, query_start_loc,
                   gates: GateInputs, scale: float, use_qk_l2norm: bool, null_slot: int, out,
                   records, snapshot_slots) -> None:
@@ -149,7 +156,7 @@ def _launch_recurrent(cfg: LaunchConfig, mode: str, q, k, v, state, state_indice
         dict(H=H, HV=HV, K=K, V=V, STRIDE_S_V=state.stride(2), K_PAD=tile.k_pad, K_INNER=tile.k_inner, ROWS=tile.rows,
              ROW_LANES=tile.row_lanes, GATES_PRECOMPUTED=gates.precomputed,
              USE_L2NORM=bool(use_qk_l2norm), ALIGNED=aligned,
-             PTX_WIDEN_BF16=cfg.gdn_ptx_widen_bf16 and state.dtype == torch.float32 and not interpreting()),
+             PTX_WIDEN_BF16=ptx_widening(cfg, state.dtype)),
         cfg.options(cfg.gdn_warps, cfg.gdn_stages, tile.max_registers))
 
 
