@@ -24,14 +24,13 @@ import tempfile
 
 import torch
 import triton
-import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from recoverssm.backends.triton.commit import grouped_commit_kernel, plan_commit_kernel
 from recoverssm.backends.triton.conv import conv_verify_kernel
 from recoverssm.backends.triton.gdn import gdn_recurrent_kernel
-from recoverssm.backends.triton.launch import LaunchConfig, ptx_widening, recurrence_tile
+from recoverssm.backends.triton.launch import LaunchConfig, commit_specialization, ptx_widening, recurrence_tile
 
 
 def _signature(fn, pointer_types: dict[str, str], constexprs: dict, default: str = "i32"):
@@ -126,16 +125,10 @@ def cases(cfg: LaunchConfig, K=128, V=128, H=16, HV=48):
            {**ints, "x_ptr": "*bf16", "conv_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16",
             "out_ptr": "*bf16"}, cfg.options(cfg.conv_warps))
     yield ("plan_commit", plan_commit_kernel, dict(BLOCK=cfg.plan_block), {**ints, "bt_stride": "i64"}, cfg.options(4))
-    for state, st in (("fp32", tl.float32), ("bf16", tl.bfloat16)):
-        tile = cfg.commit_tile(st == tl.bfloat16)
-        yield (f"grouped_commit state={state}", grouped_commit_kernel,
-               dict(H=H, HV=HV, K=K, V=V, K_PAD=K, BV=tile.block_v, BD=cfg.conv_block,
-                    CONV_COLS=4, STATE_DTYPE=st, CONV_DTYPE=tl.bfloat16, ALIGNED=True,
-                    TILES_PER_PROGRAM=tile.tiles_per_program, PREFETCH_RECORDS=tile.prefetch_records,
-                    PREFETCH_NEXT_TILE=tile.prefetch_next_tile and tile.tiles_per_program > 1,
-                    REPLAY_PAIRS=tile.replay_pairs),
-               {**ints, "layer_table_ptr": "*i64", "group_table_ptr": "*i64"},
-               cfg.options(tile.warps, max_registers=tile.max_registers))
+    for state in ("fp32", "bf16"):
+        _, constexprs, options = commit_specialization(cfg, state, "bf16", H, HV, K, V, conv_cols=4, aligned=True)
+        yield (f"grouped_commit state={state}", grouped_commit_kernel, constexprs,
+               {**ints, "layer_table_ptr": "*i64", "group_table_ptr": "*i64"}, options)
 
 
 def main(argv=None) -> int:

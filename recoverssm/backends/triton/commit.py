@@ -174,11 +174,17 @@ def layer_state(lt, STATE_DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
 
 
 @triton.jit
+def tile_rows(tile_index, BV: tl.constexpr, V_TILES: tl.constexpr):
+    """The ``BV`` V rows of state tile ``tile_index`` within its value head."""
+    return (tile_index % V_TILES) * BV + tl.arange(0, BV)
+
+
+@triton.jit
 def tile_offsets(tile_index, head_stride, v_stride, K: tl.constexpr, V: tl.constexpr, K_PAD: tl.constexpr,
                  BV: tl.constexpr, V_TILES: tl.constexpr):
     """Offsets within a slot of state tile ``tile_index`` (``BV`` rows of value head
     ``tile_index // V_TILES``), and its mask."""
-    offs_v = (tile_index % V_TILES) * BV + tl.arange(0, BV)
+    offs_v = tile_rows(tile_index, BV, V_TILES)
     offs_k = tl.arange(0, K_PAD)
     offsets = (tile_index // V_TILES) * head_stride + offs_v[:, None] * v_stride + offs_k[None, :]
     return offsets, (offs_v < V)[:, None] & (offs_k < K)[None, :]
@@ -245,7 +251,7 @@ def commit_state_tile(state, slot_stride, offsets, mask, corr, key, decay,
     ``tile_offsets``), already read from the source slot (``source_tile``, storage dtype): replay
     the accepted records (``corr``, ``key``, ``decay``: the layer's record pointers), store the
     boundary and final states."""
-    offs_v = (tile_index % V_TILES) * BV + tl.arange(0, BV)
+    offs_v = tile_rows(tile_index, BV, V_TILES)
     mask_v = offs_v < V
     offs_k = tl.arange(0, K_PAD)
     mask_k = offs_k < K

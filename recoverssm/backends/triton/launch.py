@@ -245,21 +245,9 @@ class TritonCommitter(Committer):
         """Fix the launch for ``cfg``: everything but the step's tensors is constant for the
         context, so each commit reuses it (benchmarks/tune_commit.py switches configs here)."""
         self.cfg = cfg
-        tile = cfg.commit_tile(self.state_dtype == "bf16")
-        block_v = min(tile.block_v, _pow2(self.V))
-        tiles = self.HV * triton.cdiv(self.V, block_v)
-        tiles_per_program = max(1, min(tile.tiles_per_program, tiles))
-        self.items = triton.cdiv(tiles, tiles_per_program) + triton.cdiv(self.max_conv_dim, cfg.conv_block)
-        self.constexprs = dict(H=self.H, HV=self.HV, K=self.K, V=self.V, K_PAD=_pow2(self.K), BV=block_v,
-                               BD=cfg.conv_block, CONV_COLS=self.conv_cols,
-                               STATE_DTYPE=_dtype(self.state_dtype), CONV_DTYPE=_dtype(self.conv_dtype),
-                               ALIGNED=self.aligned, TILES_PER_PROGRAM=tiles_per_program,
-                               # The hints are PTX, which Triton's interpreter cannot run.
-                               PREFETCH_RECORDS=tile.prefetch_records and not interpreting(),
-                               PREFETCH_NEXT_TILE=tile.prefetch_next_tile and tiles_per_program > 1
-                               and not interpreting(),
-                               REPLAY_PAIRS=tile.replay_pairs)
-        self.options = cfg.options(tile.warps, max_registers=tile.max_registers)
+        tile_items, self.constexprs, self.options = commit_specialization(
+            cfg, self.state_dtype, self.conv_dtype, self.H, self.HV, self.K, self.V, self.conv_cols, self.aligned)
+        self.items = tile_items + triton.cdiv(self.max_conv_dim, cfg.conv_block)
         self._repeat = None
 
     def _upload(self, rows, shape, pointer_columns) -> torch.Tensor:
@@ -326,6 +314,25 @@ class TritonCommitter(Committer):
                 (self.layer_table, self._group_table_for(groups), num_accepted, query_start_loc,
                  num_accepted.shape[0], self.null_slot),
                 self.constexprs, self.options)
+
+
+def commit_specialization(cfg: LaunchConfig, state_dtype: str, conv_dtype: str, H: int, HV: int, K: int, V: int,
+                          conv_cols: int, aligned: bool) -> tuple[int, dict, dict]:
+    """The grouped commit kernel's specialization for one commit context: ``(work items of state
+    tiles per row and layer, constexprs, compile options)``. ``ci/compile_kernels.py`` compiles
+    through it too, so CI builds the kernel that runs."""
+    tile = cfg.commit_tile(state_dtype == "bf16")
+    block_v = min(tile.block_v, _pow2(V))
+    tiles = HV * triton.cdiv(V, block_v)
+    tiles_per_program = max(1, min(tile.tiles_per_program, tiles))
+    constexprs = dict(H=H, HV=HV, K=K, V=V, K_PAD=_pow2(K), BV=block_v, BD=cfg.conv_block, CONV_COLS=conv_cols,
+                      STATE_DTYPE=_dtype(state_dtype), CONV_DTYPE=_dtype(conv_dtype), ALIGNED=aligned,
+                      TILES_PER_PROGRAM=tiles_per_program,
+                      # The hints are PTX, which Triton's interpreter cannot run.
+                      PREFETCH_RECORDS=tile.prefetch_records and not interpreting(),
+                      PREFETCH_NEXT_TILE=tile.prefetch_next_tile and tiles_per_program > 1 and not interpreting(),
+                      REPLAY_PAIRS=tile.replay_pairs)
+    return triton.cdiv(tiles, tiles_per_program), constexprs, cfg.options(tile.warps, max_registers=tile.max_registers)
 
 
 def _vector_aligned(layer: CommitLayer) -> bool:
