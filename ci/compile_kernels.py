@@ -30,7 +30,6 @@ from triton.compiler import ASTSource
 from recoverssm.backends.triton.commit import grouped_commit_kernel, plan_commit_kernel
 from recoverssm.backends.triton.conv import conv_verify_kernel
 from recoverssm.backends.triton.gdn import gdn_recurrent_kernel
-from recoverssm.backends.triton.token_prep import gdn_token_prep_kernel
 from recoverssm.backends.triton.launch import LaunchConfig, commit_specialization, ptx_widening, recurrence_tile
 
 
@@ -113,18 +112,14 @@ def cases(cfg: LaunchConfig, K=128, V=128, H=16, HV=48):
     f32 = {"scale": "fp32"}
     tile = recurrence_tile(cfg, K, V)
     for state in ("*fp32", "*bf16"):
-        yield (f"gdn_recurrent state={state}", gdn_recurrent_kernel,
-               dict(H=H, HV=HV, K=K, V=V, STRIDE_S_V=K, K_PAD=tile.k_pad, K_INNER=tile.k_inner, ROWS=tile.rows,
-                    ROW_LANES=tile.row_lanes,
-                    PTX_WIDEN_BF16=ptx_widening(cfg, torch.float32 if state == "*fp32" else torch.bfloat16)),
-               {**ints, "state_ptr": state, "v_ptr": "*bf16", "out_ptr": "*bf16"},
-               cfg.options(cfg.gdn_warps, cfg.gdn_stages, cfg.gdn_max_registers))
-    for gates in (False, True):
-        yield (f"gdn_token_prep precomputed={gates}", gdn_token_prep_kernel,
-               dict(H=H, HV=HV, K=K, K_PAD=tile.k_pad, BLOCK_T=cfg.prep_block_t, G_PAD=4, GATES_PRECOMPUTED=gates,
-                    USE_L2NORM=True),
-               {**f32, "q_ptr": "*bf16", "k_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16"},
-               cfg.options(cfg.prep_warps))
+        for gates in (False, True):
+            yield (f"gdn_recurrent precomputed={gates} state={state}", gdn_recurrent_kernel,
+                   dict(H=H, HV=HV, K=K, V=V, STRIDE_S_V=K, K_PAD=tile.k_pad, K_INNER=tile.k_inner, ROWS=tile.rows,
+                        ROW_LANES=tile.row_lanes, GATES_PRECOMPUTED=gates, USE_L2NORM=True, ALIGNED=True,
+                        PTX_WIDEN_BF16=ptx_widening(cfg, torch.float32 if state == "*fp32" else torch.bfloat16)),
+                   {**ints, **f32, "state_ptr": state, "q_ptr": "*bf16", "k_ptr": "*bf16",
+                    "v_ptr": "*bf16", "out_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16"},
+                   cfg.options(cfg.gdn_warps, cfg.gdn_stages, cfg.gdn_max_registers))
     yield ("conv_verify", conv_verify_kernel,
            dict(WIDTH=4, BD=cfg.conv_block, HAS_BIAS=True, SILU=True),
            {**ints, "x_ptr": "*bf16", "conv_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16",

@@ -87,8 +87,6 @@ class LaunchConfig:
     commit_replay_pairs_bf16: Optional[bool] = None
     conv_block: int = 128
     conv_warps: int = 4
-    prep_block_t: int = 16
-    prep_warps: int = 4
     plan_block: int = 128
     compile_options: dict = field(default_factory=dict)
 

@@ -37,6 +37,8 @@ MODE_VERIFY = tl.constexpr(0)
 MODE_DECODE = tl.constexpr(1)
 MODE_SNAPSHOT = tl.constexpr(2)
 
+L2NORM_EPS = tl.constexpr(1e-6)
+SOFTPLUS_THRESHOLD = tl.constexpr(20.0)
 
 
 @triton.jit
@@ -92,11 +94,44 @@ def dot_over_k(x, y):
 
 
 @triton.jit
-def delta_rule_step(S, k_hat, q_hat, k_dot_q, v, beta, decay):
+def token_dot(x, y):
+    """``sum over K of x * y`` for two token vectors ``[ROW_LANES, 1, K_INNER, K_CHUNKS]`` (each
+    broadcast over the row lanes): one scalar.
+
+    A scalar has no layout. A reduction whose result had one could be recomputed by Triton in a
+    second layout for a consumer that wants it (it did for ``k . k`` at 32 lanes along K), with
+    the lanes summed in another order: the normalized key stored as the replay record then
+    differed in the last bit from the key of the in-kernel update, and commit != decode. Every
+    copy of ``k^`` computed from a scalar norm is the same elementwise product."""
+    per_lane_group = dot_over_k(x, y)                              # [ROW_LANES, 1], all equal
+    return tl.max(tl.max(per_lane_group, axis=1), axis=0)
+
+
+@triton.jit
+def inverse_l2_norm(x):
+    """``1 / sqrt(sum(x^2) + eps)`` over K of a token vector: a scalar. The hardware's reciprocal
+    square root (about 2 ulp) rather than IEEE ``sqrt_rn``/``div_rn``: those are subroutines
+    that cost registers, hence occupancy; the normalized key is recorded, so the commit replays
+    it exactly either way."""
+    return tl.rsqrt(token_dot(x, x) + L2NORM_EPS)
+
+
+@triton.jit
+def softplus(x):
+    """``x if x > 20 else log1p(exp(x))``, with log1p written out so tiny ``exp(x)`` keeps its digits."""
+    y = tl.exp(tl.minimum(x, SOFTPLUS_THRESHOLD))
+    one_plus = 1.0 + y
+    rounded_away = one_plus == 1.0
+    log1p = tl.where(rounded_away, y, tl.log(one_plus) * (y / tl.where(rounded_away, 1.0, one_plus - 1.0)))
+    return tl.where(x > SOFTPLUS_THRESHOLD, x, log1p)
+
+
+@triton.jit
+def delta_rule_step(S, k_hat, q_hat, v, beta, decay):
     """One token of the gated delta rule on a ``[ROW_LANES, R, K_INNER, K_CHUNKS]`` fp32 tile.
 
     ``k_hat``, ``q_hat``: ``[ROW_LANES, 1, K_INNER, K_CHUNKS]``; ``v``: ``[ROW_LANES, R]``;
-    ``k_dot_q``, ``beta``, ``decay``: scalars. Returns the new tile, the correction ``c_t`` ``[ROW_LANES, R]``
+    ``beta``, ``decay``: scalars. Returns the new tile, the correction ``c_t`` ``[ROW_LANES, R]``
     (the replay record) and the output.
 
     The output uses ``S_new q = S' q + c (k . q)``: both reductions then read ``S'`` and run side
@@ -108,31 +143,52 @@ def delta_rule_step(S, k_hat, q_hat, k_dot_q, v, beta, decay):
     partial_out = dot_over_k(S, q_hat)
     correction = beta * (v - predicted)
     S = tl.fma(correction[:, :, None, None], k_hat, S)
-    out = tl.fma(correction, k_dot_q, partial_out)
+    out = tl.fma(correction, token_dot(k_hat, q_hat), partial_out)
     return S, correction, out
 
 
 @triton.jit
-def fetch_token(tok, khat_ptr, qhat_ptr, kq_ptr, decay_ptr, beta_ptr, v_ptr, stride_v_t, h, hv, v_head,
-                offs_k, offs_v, mask_v, H: tl.constexpr, HV: tl.constexpr, K_PAD: tl.constexpr,
-                EXACT_V: tl.constexpr):
-    """Issue the loads of one token's inputs: ``k^``, ``q^`` (fp32, broadcast over the row
-    lanes), ``k^ . q^``, decay and beta from the workspace of ``token_prep.py``, and ``v`` as
-    stored. The token loop fetches token ``t + 1`` before it works on token ``t``, so the loads'
-    latency hides behind a token's arithmetic."""
+def fetch_token(tok, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, stride_q_t, stride_k_t, stride_v_t, stride_a_t,
+                stride_b_t, q_head, k_head, v_head, hv, offs_k, mask_k, offs_v, mask_v,
+                ALIGNED: tl.constexpr, EXACT_K: tl.constexpr, EXACT_V: tl.constexpr):
+    """Issue the loads of one token's inputs, as stored (``k``, ``q`` broadcast over the row
+    lanes, ``v``, the two gate inputs). The token loop fetches token ``t + 1`` before it works on
+    token ``t``, so the loads' latency hides behind a token's arithmetic."""
     tok = tok.to(tl.int64)
-    head_row = (tok * H + h) * K_PAD
-    # workspace rows are K_PAD fp32 values (16-byte multiples, zero padded): no mask; each
-    # thread's 4-element groups along K are contiguous and 16-byte aligned
-    k_ptrs = tl.max_contiguous(tl.multiple_of(khat_ptr + head_row + offs_k, [1, 1, 16, 16]), [1, 1, 4, 1])
-    q_ptrs = tl.max_contiguous(tl.multiple_of(qhat_ptr + head_row + offs_k, [1, 1, 16, 16]), [1, 1, 4, 1])
-    k_hat = tl.load(k_ptrs)
-    q_hat = tl.load(q_ptrs)
-    k_dot_q = tl.load(kq_ptr + tok * H + h)
-    decay = tl.load(decay_ptr + tok * HV + hv)
-    beta = tl.load(beta_ptr + tok * HV + hv)
+    k_ptrs = k_ptr + tok * stride_k_t + k_head + offs_k
+    q_ptrs = q_ptr + tok * stride_q_t + q_head + offs_k
+    if ALIGNED:   # the launcher guarantees 16-byte aligned rows; 4-element groups match the tile
+        k_ptrs = tl.max_contiguous(tl.multiple_of(k_ptrs, [1, 1, 8, 8]), [1, 1, 4, 1])
+        q_ptrs = tl.max_contiguous(tl.multiple_of(q_ptrs, [1, 1, 8, 8]), [1, 1, 4, 1])
+    k_t = load_masked(k_ptrs, mask_k, EXACT_K)
+    q_t = load_masked(q_ptrs, mask_k, EXACT_K)
     v_t = load_masked(v_ptr + tok * stride_v_t + v_head + offs_v, mask_v, EXACT_V)
-    return k_hat, q_hat, k_dot_q, decay, beta, v_t
+    a_t = tl.load(a_ptr + tok * stride_a_t + hv)
+    b_t = tl.load(b_ptr + tok * stride_b_t + hv)
+    return k_t, q_t, v_t, a_t, b_t
+
+
+@triton.jit
+def prepare_token(k_t, q_t, v_t, a_t, b_t, neg_A, dt_bias, scale,
+                  GATES_PRECOMPUTED: tl.constexpr, USE_L2NORM: tl.constexpr, PTX_WIDEN_BF16: tl.constexpr):
+    """One fetched token, ready for the step: ``k^``, ``q^`` (normalized, scaled), ``v``, decay
+    and beta, all fp32."""
+    k_hat = to_fp32(k_t, PTX_WIDEN_BF16)
+    q_hat = to_fp32(q_t, PTX_WIDEN_BF16)
+    a_t = a_t.to(tl.float32)
+    b_t = b_t.to(tl.float32)
+    if USE_L2NORM:
+        k_hat = k_hat * inverse_l2_norm(k_hat)
+        q_hat = q_hat * (inverse_l2_norm(q_hat) * scale)
+    else:
+        q_hat = q_hat * scale
+    if GATES_PRECOMPUTED:
+        decay = tl.exp(a_t)
+        beta = b_t
+    else:
+        decay = tl.exp(neg_A * softplus(a_t + dt_bias))
+        beta = 1.0 / (1.0 + tl.exp(-b_t))
+    return k_hat, q_hat, to_fp32(v_t, PTX_WIDEN_BF16), decay, beta
 
 
 # Everything that may differ between a verify call and the native call it must match (token
@@ -143,22 +199,25 @@ def fetch_token(tok, khat_ptr, qhat_ptr, kq_ptr, decay_ptr, beta_ptr, v_ptr, str
 # could have compiled to different instruction sequences (seen for K = 32 and 64 with an earlier
 # tile). Alignment is instead the constexpr ALIGNED, which the launcher makes true for every call
 # it can (see launch.py).
-_TOKEN_POINTERS = ["khat_ptr", "qhat_ptr", "kq_ptr", "tok_decay_ptr", "tok_beta_ptr", "v_ptr", "out_ptr",
+_TOKEN_POINTERS = ["q_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr", "A_log_ptr", "dt_bias_ptr", "out_ptr",
                    "state_indices_ptr", "qsl_ptr", "corr_ptr", "key_ptr", "decay_ptr", "snapshot_ptr"]
-_RUNTIME_SCALARS = ["stride_v_t", "stride_v_h", "stride_o_t", "stride_o_h", "stride_snap_row",
-                    "num_tokens", "num_slots", "null_slot", "max_window", "mode"]
+_RUNTIME_SCALARS = ["stride_q_t", "stride_q_h", "stride_k_t", "stride_k_h", "stride_v_t", "stride_v_h",
+                    "stride_a_t", "stride_b_t", "stride_o_t", "stride_o_h", "stride_snap_row",
+                    "num_tokens", "num_slots", "null_slot", "max_window", "scale", "mode"]
 
 
 @triton.jit(do_not_specialize=_RUNTIME_SCALARS, do_not_specialize_on_alignment=_TOKEN_POINTERS)
 def gdn_recurrent_kernel(
-    khat_ptr, qhat_ptr, kq_ptr, tok_decay_ptr, tok_beta_ptr, v_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, out_ptr,
     state_ptr, state_indices_ptr, qsl_ptr,
     corr_ptr, key_ptr, decay_ptr, snapshot_ptr,
-    stride_v_t, stride_v_h, stride_o_t, stride_o_h,
+    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
+    stride_a_t, stride_b_t, stride_o_t, stride_o_h,
     stride_s_slot, stride_s_h, stride_snap_row,
-    num_tokens, num_slots, null_slot, max_window, mode,
+    num_tokens, num_slots, null_slot, max_window, scale, mode,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, STRIDE_S_V: tl.constexpr,
     K_PAD: tl.constexpr, K_INNER: tl.constexpr, ROWS: tl.constexpr, ROW_LANES: tl.constexpr,
+    GATES_PRECOMPUTED: tl.constexpr, USE_L2NORM: tl.constexpr, ALIGNED: tl.constexpr,
     PTX_WIDEN_BF16: tl.constexpr,
 ):
     i_v = tl.program_id(0)
@@ -190,23 +249,32 @@ def gdn_recurrent_kernel(
     # tensor verify and decode share, so specializing on it keeps them one binary).
     tile = offs_v[:, :, None, None] * STRIDE_S_V + offs_k       # [RL, R, KI, KC]
     mask_tile = mask_v[:, :, None, None] & mask_k
+    q_head = h * stride_q_h
+    k_head = h * stride_k_h
     v_head = hv * stride_v_h
 
     if live:
         state_tile = state_ptr + slot.to(tl.int64) * stride_s_slot + hv * stride_s_h
         S = load_masked(state_tile + tile, mask_tile, EXACT).to(tl.float32)
-        fetched = fetch_token(tl.minimum(start, num_tokens - 1), khat_ptr, qhat_ptr, kq_ptr, tok_decay_ptr,
-                              tok_beta_ptr, v_ptr, stride_v_t, h, hv, v_head, offs_k, offs_v, mask_v,
-                              H, HV, K_PAD, EXACT_V)
+        if GATES_PRECOMPUTED:
+            neg_A = 0.0
+            dt_bias = 0.0
+        else:
+            neg_A = -tl.exp(tl.load(A_log_ptr + hv))
+            dt_bias = tl.load(dt_bias_ptr + hv)
+        fetched = fetch_token(tl.minimum(start, num_tokens - 1), q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
+                              stride_q_t, stride_k_t, stride_v_t, stride_a_t, stride_b_t, q_head, k_head,
+                              v_head, hv, offs_k, mask_k, offs_v, mask_v, ALIGNED, EXACT_K, EXACT_V)
         for t in range(0, length):
-            k_hat, q_hat, k_dot_q, decay, beta, v_t = fetched
+            k_t, q_t, v_t, a_t, b_t = fetched
             # the next token's loads go out now (the last iteration fetches its own token again)
-            fetched = fetch_token(start + tl.minimum(t + 1, length - 1), khat_ptr, qhat_ptr, kq_ptr,
-                                  tok_decay_ptr, tok_beta_ptr, v_ptr, stride_v_t, h, hv, v_head, offs_k,
-                                  offs_v, mask_v, H, HV, K_PAD, EXACT_V)
-            v_t = to_fp32(v_t, PTX_WIDEN_BF16)
+            fetched = fetch_token(start + tl.minimum(t + 1, length - 1), q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
+                                  stride_q_t, stride_k_t, stride_v_t, stride_a_t, stride_b_t, q_head, k_head,
+                                  v_head, hv, offs_k, mask_k, offs_v, mask_v, ALIGNED, EXACT_K, EXACT_V)
+            k_hat, q_hat, v_t, decay, beta = prepare_token(k_t, q_t, v_t, a_t, b_t, neg_A, dt_bias, scale,
+                                                           GATES_PRECOMPUTED, USE_L2NORM, PTX_WIDEN_BF16)
 
-            S, correction, o_t = delta_rule_step(S, k_hat, q_hat, k_dot_q, v_t, beta, decay)
+            S, correction, o_t = delta_rule_step(S, k_hat, q_hat, v_t, beta, decay)
 
             tok = (start + t).to(tl.int64)
             store_masked(out_ptr + tok * stride_o_t + hv * stride_o_h + offs_v,

@@ -19,13 +19,11 @@ from .commit import grouped_commit_kernel, plan_commit_kernel
 from .conv import conv_verify_kernel
 from .direct_launch import DirectLauncher
 from .gdn import MODE_DECODE, MODE_SNAPSHOT, MODE_VERIFY, gdn_recurrent_kernel
-from .token_prep import gdn_token_prep_kernel
 
 MODES = {"verify": MODE_VERIFY.value, "decode": MODE_DECODE.value, "snapshot": MODE_SNAPSHOT.value}
 # The two launches on every speculative step (verify per layer, one commit for all layers) skip
 # Triton's per-call specialization work once compiled (see direct_launch.py).
 _RECURRENCE = DirectLauncher(gdn_recurrent_kernel)
-_TOKEN_PREP = DirectLauncher(gdn_token_prep_kernel)
 _GROUPED_COMMIT = DirectLauncher(grouped_commit_kernel)
 INT32_MAX = 2**31 - 1
 
@@ -50,6 +48,23 @@ def conv_verify(cfg: LaunchConfig, x, conv_state, weight, bias, state_indices, q
         dim, x.shape[0], conv_state.shape[0], null_slot, window,
         WIDTH=width, BD=cfg.conv_block, HAS_BIAS=bias is not None, SILU=bool(silu),
         **cfg.options(cfg.conv_warps))
+
+
+def _rows_aligned(t: torch.Tensor) -> bool:
+    """Every row (last dim) of ``t`` starts on a 16-byte boundary."""
+    vec = 16 // t.element_size()
+    return t.data_ptr() % 16 == 0 and all(s % vec == 0 for s in t.stride()[:-1])
+
+
+def _aligned_token_inputs(q, k, v, out):
+    """Return ``(q, k, v, kernel_out, aligned)`` such that every call with the same shapes and
+    dtypes compiles to the same kernel: inputs whose rows are not 16-byte aligned are copied into
+    packed tensors (small next to the state), and a misaligned ``out`` is written through a packed
+    buffer. ``aligned`` is False only where packing cannot align rows (odd head sizes)."""
+    q, k, v = (t if _rows_aligned(t) else t.contiguous() for t in (q, k, v))
+    kernel_out = out if _rows_aligned(out) else torch.empty(out.shape, dtype=out.dtype, device=out.device)
+    aligned = all(_rows_aligned(t) for t in (q, k, v, kernel_out))
+    return q, k, v, kernel_out, aligned
 
 
 MAX_LANES_K = 16
@@ -102,15 +117,22 @@ def ptx_widening(cfg: LaunchConfig, state_dtype: torch.dtype) -> bool:
 def gdn_recurrent(cfg: LaunchConfig, mode: str, q, k, v, state, state_indices, query_start_loc,
                   gates: GateInputs, scale: float, use_qk_l2norm: bool, null_slot: int, out,
                   records, snapshot_slots) -> None:
-    """One recurrence call: the tokens' prepared inputs (``token_prep.py``) into a workspace,
-    then the recurrence over the state tiles (``gdn.py``)."""
+    q, k, v, kernel_out, aligned = _aligned_token_inputs(q, k, v, out)
+    _launch_recurrent(cfg, mode, q, k, v, state, state_indices, query_start_loc, gates, scale,
+                      use_qk_l2norm, null_slot, kernel_out, records, snapshot_slots, aligned)
+    if kernel_out is not out:
+        out.copy_(kernel_out)
+
+
+def _launch_recurrent(cfg: LaunchConfig, mode: str, q, k, v, state, state_indices, query_start_loc,
+                      gates: GateInputs, scale: float, use_qk_l2norm: bool, null_slot: int, out,
+                      records, snapshot_slots, aligned: bool) -> None:
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     B = state_indices.shape[0]
     if B == 0 or T == 0:
         return
     tile = recurrence_tile(cfg, K, V, HV * B)
-    prepared = prepare_tokens(cfg, q, k, HV, gates, scale, use_qk_l2norm, tile.k_pad)
     if mode == "verify":
         corr, key, decay = records
         max_window = corr.shape[2]
@@ -118,39 +140,24 @@ def gdn_recurrent(cfg: LaunchConfig, mode: str, q, k, v, state, state_indices, q
         corr = key = decay = out           # unused by these modes; any valid pointer will do
         max_window = snapshot_slots.shape[1] if mode == "snapshot" else INT32_MAX
     snap = snapshot_slots if snapshot_slots is not None else state_indices
-    grid = (triton.cdiv(V, tile.block_v), HV, B)
-    _RECURRENCE(
-        grid,
-        (*prepared, v, out, state, state_indices, query_start_loc,
-         corr, key, decay, snap,
-         v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-         state.stride(0), state.stride(1), snap.stride(0),
-         T, state.shape[0], null_slot, max_window, MODES[mode]),
-        dict(H=H, HV=HV, K=K, V=V, STRIDE_S_V=state.stride(2), K_PAD=tile.k_pad, K_INNER=tile.k_inner, ROWS=tile.rows,
-             ROW_LANES=tile.row_lanes, PTX_WIDEN_BF16=ptx_widening(cfg, state.dtype)),
-        cfg.options(cfg.gdn_warps, cfg.gdn_stages, tile.max_registers))
-
-
-def prepare_tokens(cfg: LaunchConfig, q, k, HV: int, gates: GateInputs, scale: float, use_qk_l2norm: bool,
-                   k_pad: int) -> tuple:
-    """Run the token preparation kernel into a new fp32 workspace; return its parts in the
-    recurrence kernel's argument order: ``k^``, ``q^`` ``[T, H, k_pad]``, ``k^ . q^`` ``[T, H]``,
-    decay and beta ``[T, HV]``."""
-    T, H, K = q.shape
-    workspace = torch.empty(T * (2 * H * k_pad + H + 2 * HV), dtype=torch.float32, device=q.device)
-    k_hat, q_hat, k_dot_q, decay, beta = workspace.split([T * H * k_pad] * 2 + [T * H] + [T * HV] * 2)
     if gates.precomputed:
         a, b, A_log, dt_bias = gates.g, gates.beta, gates.g, gates.g
     else:
         a, b, A_log, dt_bias = gates.a, gates.b, gates.A_log, gates.dt_bias
-    _TOKEN_PREP(
-        (triton.cdiv(T, cfg.prep_block_t), H),
-        (q, k, a, b, A_log, dt_bias, k_hat, q_hat, k_dot_q, decay, beta,
-         q.stride(0), q.stride(1), k.stride(0), k.stride(1), a.stride(0), b.stride(0), T, scale),
-        dict(H=H, HV=HV, K=K, K_PAD=k_pad, BLOCK_T=cfg.prep_block_t, G_PAD=_pow2(HV // H), GATES_PRECOMPUTED=gates.precomputed,
-             USE_L2NORM=bool(use_qk_l2norm)),
-        cfg.options(cfg.prep_warps))
-    return k_hat, q_hat, k_dot_q, decay, beta
+    grid = (triton.cdiv(V, tile.block_v), HV, B)
+    _RECURRENCE(
+        grid,
+        (q, k, v, a, b, A_log, dt_bias, out, state, state_indices, query_start_loc,
+         corr, key, decay, snap,
+         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+         a.stride(0), b.stride(0), out.stride(0), out.stride(1),
+         state.stride(0), state.stride(1), snap.stride(0),
+         T, state.shape[0], null_slot, max_window, scale, MODES[mode]),
+        dict(H=H, HV=HV, K=K, V=V, STRIDE_S_V=state.stride(2), K_PAD=tile.k_pad, K_INNER=tile.k_inner, ROWS=tile.rows,
+             ROW_LANES=tile.row_lanes, GATES_PRECOMPUTED=gates.precomputed,
+             USE_L2NORM=bool(use_qk_l2norm), ALIGNED=aligned,
+             PTX_WIDEN_BF16=ptx_widening(cfg, state.dtype)),
+        cfg.options(cfg.gdn_warps, cfg.gdn_stages, tile.max_registers))
 
 
 def plan_commit(cfg: LaunchConfig, num_accepted, state_indices, query_start_loc, request_indices,
