@@ -31,7 +31,6 @@ updated. Verify, decode and snapshot execute the same instructions on the same v
 import triton
 import triton.language as tl
 
-from .commit import prefetch_state_tile
 from .numerics import to_fp32, to_storage
 
 MODE_VERIFY = tl.constexpr(0)
@@ -204,8 +203,7 @@ _TOKEN_POINTERS = ["q_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr", "A_log_ptr", "dt
                    "state_indices_ptr", "qsl_ptr", "corr_ptr", "key_ptr", "decay_ptr", "snapshot_ptr"]
 _RUNTIME_SCALARS = ["stride_q_t", "stride_q_h", "stride_k_t", "stride_k_h", "stride_v_t", "stride_v_h",
                     "stride_a_t", "stride_b_t", "stride_o_t", "stride_o_h", "stride_snap_row",
-                    "num_tokens", "num_slots", "null_slot", "max_window", "scale", "mode",
-                    "prefetch_distance"]
+                    "num_tokens", "num_slots", "null_slot", "max_window", "scale", "mode"]
 
 
 @triton.jit(do_not_specialize=_RUNTIME_SCALARS, do_not_specialize_on_alignment=_TOKEN_POINTERS)
@@ -216,11 +214,11 @@ def gdn_recurrent_kernel(
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
     stride_a_t, stride_b_t, stride_o_t, stride_o_h,
     stride_s_slot, stride_s_h, stride_snap_row,
-    num_tokens, num_slots, null_slot, max_window, scale, mode, prefetch_distance,
+    num_tokens, num_slots, null_slot, max_window, scale, mode,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, STRIDE_S_V: tl.constexpr,
     K_PAD: tl.constexpr, K_INNER: tl.constexpr, ROWS: tl.constexpr, ROW_LANES: tl.constexpr,
     GATES_PRECOMPUTED: tl.constexpr, USE_L2NORM: tl.constexpr, ALIGNED: tl.constexpr,
-    PTX_WIDEN_BF16: tl.constexpr, PREFETCH_AHEAD: tl.constexpr,
+    PTX_WIDEN_BF16: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     hv = tl.program_id(1)
@@ -258,15 +256,6 @@ def gdn_recurrent_kernel(
     if live:
         state_tile = state_ptr + slot.to(tl.int64) * stride_s_slot + hv * stride_s_h
         S = load_masked(state_tile + tile, mask_tile, EXACT).to(tl.float32)
-        if PREFETCH_AHEAD:
-            V_TILES: tl.constexpr = (V + BV - 1) // BV
-            ahead = i_v + V_TILES * (hv + HV * row) + prefetch_distance
-            ahead_row = ahead // (V_TILES * HV)
-            if ahead_row < tl.num_programs(2):
-                ahead_slot = tl.load(state_indices_ptr + ahead_row)
-                if (ahead_slot > null_slot) & (ahead_slot < num_slots):
-                    prefetch_state_tile(state_ptr + ahead_slot.to(tl.int64) * stride_s_slot, ahead % (V_TILES * HV),
-                                        stride_s_h, STRIDE_S_V, K, V, K_PAD, BV, V_TILES, state_ptr.dtype.element_ty)
         if GATES_PRECOMPUTED:
             neg_A = 0.0
             dt_bias = 0.0

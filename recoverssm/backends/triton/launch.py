@@ -152,12 +152,11 @@ def _launch_recurrent(cfg: LaunchConfig, mode: str, q, k, v, state, state_indice
          q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
          a.stride(0), b.stride(0), out.stride(0), out.stride(1),
          state.stride(0), state.stride(1), snap.stride(0),
-         T, state.shape[0], null_slot, max_window, scale, MODES[mode], cfg.gdn_prefetch_distance),
+         T, state.shape[0], null_slot, max_window, scale, MODES[mode]),
         dict(H=H, HV=HV, K=K, V=V, STRIDE_S_V=state.stride(2), K_PAD=tile.k_pad, K_INNER=tile.k_inner, ROWS=tile.rows,
              ROW_LANES=tile.row_lanes, GATES_PRECOMPUTED=gates.precomputed,
              USE_L2NORM=bool(use_qk_l2norm), ALIGNED=aligned,
-             PTX_WIDEN_BF16=ptx_widening(cfg, state.dtype),
-             PREFETCH_AHEAD=cfg.gdn_prefetch_distance > 0 and not interpreting()),
+             PTX_WIDEN_BF16=ptx_widening(cfg, state.dtype)),
         cfg.options(cfg.gdn_warps, cfg.gdn_stages, tile.max_registers))
 
 
