@@ -246,8 +246,7 @@ def commit_state_tile(state, slot_stride, offsets, mask, corr, key, decay,
                       row, tile_index, source_tile, n, final, boundary, boundary_len, max_window, null_slot,
                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                       K_PAD: tl.constexpr, BV: tl.constexpr, V_TILES: tl.constexpr,
-                      STATE_DTYPE: tl.constexpr, REPLAY_PAIRS: tl.constexpr, STORE_EVICT: tl.constexpr,
-                      STORE_CACHE: tl.constexpr):
+                      STATE_DTYPE: tl.constexpr, REPLAY_PAIRS: tl.constexpr):
     """One ``[BV, K_PAD]`` state tile of one row and layer (``offsets``, ``mask``: from
     ``tile_offsets``), already read from the source slot (``source_tile``, storage dtype): replay
     the accepted records (``corr``, ``key``, ``decay``: the layer's record pointers), store the
@@ -262,12 +261,10 @@ def commit_state_tile(state, slot_stride, offsets, mask, corr, key, decay,
     S = replay_tokens(S, corr_row, key_row, decay_row, 0, boundary_len, offs_v, mask_v, offs_k, mask_k, V, K,
                       REPLAY_PAIRS)
     if boundary > null_slot:
-        tl.store(state + boundary.to(tl.int64) * slot_stride + offsets, to_storage(S, STATE_DTYPE), mask=mask,
-                 eviction_policy=STORE_EVICT, cache_modifier=STORE_CACHE)
+        tl.store(state + boundary.to(tl.int64) * slot_stride + offsets, to_storage(S, STATE_DTYPE), mask=mask)
     S = replay_tokens(S, corr_row, key_row, decay_row, boundary_len, n, offs_v, mask_v, offs_k, mask_k, V, K,
                       REPLAY_PAIRS)
-    tl.store(state + final.to(tl.int64) * slot_stride + offsets, to_storage(S, STATE_DTYPE), mask=mask,
-             eviction_policy=STORE_EVICT, cache_modifier=STORE_CACHE)
+    tl.store(state + final.to(tl.int64) * slot_stride + offsets, to_storage(S, STATE_DTYPE), mask=mask)
 
 
 @triton.jit
@@ -279,7 +276,6 @@ def grouped_commit_kernel(
     STATE_DTYPE: tl.constexpr, CONV_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
     TILES_PER_PROGRAM: tl.constexpr,
     PREFETCH_RECORDS: tl.constexpr, PREFETCH_NEXT_TILE: tl.constexpr, REPLAY_PAIRS: tl.constexpr,
-    LOAD_EVICT: tl.constexpr, STORE_EVICT: tl.constexpr, STORE_CACHE: tl.constexpr,
 ):
     item = tl.program_id(0)
     row = tl.program_id(1)
@@ -327,8 +323,7 @@ def grouped_commit_kernel(
             for j in range(TILES_PER_PROGRAM):
                 tile_index = first_tile + j
                 offsets, mask = tile_offsets(tile_index, head_stride, v_stride, K, V, K_PAD, BV, V_TILES)
-                tile = tl.load(source + offsets, mask=tl.where(tile_index < TILES, mask, False), other=0.0,
-                               eviction_policy=LOAD_EVICT)
+                tile = tl.load(source + offsets, mask=tl.where(tile_index < TILES, mask, False), other=0.0)
                 if PREFETCH_NEXT_TILE:
                     if (j + 1 < TILES_PER_PROGRAM) & (tile_index + 1 < TILES):
                         prefetch_state_tile(source, tile_index + 1, head_stride, v_stride, K, V, K_PAD, BV,
@@ -336,8 +331,7 @@ def grouped_commit_kernel(
                 if tile_index < TILES:
                     commit_state_tile(state, slot_stride, offsets, mask, corr, key, decay,
                                       row, tile_index, tile, n, final, boundary, boundary_len, max_window,
-                                      null_slot, H, HV, K, V, K_PAD, BV, V_TILES, STATE_DTYPE, REPLAY_PAIRS,
-                                      STORE_EVICT, STORE_CACHE)
+                                      null_slot, H, HV, K, V, K_PAD, BV, V_TILES, STATE_DTYPE, REPLAY_PAIRS)
         else:
             conv = tl.load(lt + LAYER_CONV)
             conv_dim = tl.load(lt + LAYER_CONV_DIM)

@@ -73,8 +73,6 @@ class LaunchConfig:
     gdn_small_grid_rows: int = 4
     gdn_small_grid_max_registers: Optional[int] = None
     gdn_ptx_widen_bf16: bool = False
-    gdn_state_hints: tuple = ("", "", "")
-    commit_state_hints: tuple = ("", "", "")
     commit_block_v: int = 32
     commit_warps: int = 1
     commit_block_v_bf16: Optional[int] = None

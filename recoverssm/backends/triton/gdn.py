@@ -218,7 +218,7 @@ def gdn_recurrent_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, STRIDE_S_V: tl.constexpr,
     K_PAD: tl.constexpr, K_INNER: tl.constexpr, ROWS: tl.constexpr, ROW_LANES: tl.constexpr,
     GATES_PRECOMPUTED: tl.constexpr, USE_L2NORM: tl.constexpr, ALIGNED: tl.constexpr,
-    PTX_WIDEN_BF16: tl.constexpr, LOAD_EVICT: tl.constexpr, STORE_EVICT: tl.constexpr, STORE_CACHE: tl.constexpr,
+    PTX_WIDEN_BF16: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     hv = tl.program_id(1)
@@ -255,10 +255,7 @@ def gdn_recurrent_kernel(
 
     if live:
         state_tile = state_ptr + slot.to(tl.int64) * stride_s_slot + hv * stride_s_h
-        if EXACT:
-            S = tl.load(state_tile + tile, eviction_policy=LOAD_EVICT).to(tl.float32)
-        else:
-            S = tl.load(state_tile + tile, mask=mask_tile, other=0.0, eviction_policy=LOAD_EVICT).to(tl.float32)
+        S = load_masked(state_tile + tile, mask_tile, EXACT).to(tl.float32)
         if GATES_PRECOMPUTED:
             neg_A = 0.0
             dt_bias = 0.0
@@ -302,8 +299,7 @@ def gdn_recurrent_kernel(
                 dst = tl.where((mode == MODE_DECODE) & (t == length - 1), slot, null_slot)
             if (dst > null_slot) & (dst < num_slots):
                 dst_tile = state_ptr + dst.to(tl.int64) * stride_s_slot + hv * stride_s_h
-                tl.store(dst_tile + tile, to_storage(S, state_ptr.dtype.element_ty), mask=mask_tile,
-                         eviction_policy=STORE_EVICT, cache_modifier=STORE_CACHE)
+                store_masked(dst_tile + tile, to_storage(S, state_ptr.dtype.element_ty), mask_tile, EXACT)
     else:
         zeros = tl.zeros([ROW_LANES, ROWS], dtype=out_ptr.dtype.element_ty)
         for t in range(0, tl.maximum(end - start, 0)):

@@ -156,8 +156,7 @@ def _launch_recurrent(cfg: LaunchConfig, mode: str, q, k, v, state, state_indice
         dict(H=H, HV=HV, K=K, V=V, STRIDE_S_V=state.stride(2), K_PAD=tile.k_pad, K_INNER=tile.k_inner, ROWS=tile.rows,
              ROW_LANES=tile.row_lanes, GATES_PRECOMPUTED=gates.precomputed,
              USE_L2NORM=bool(use_qk_l2norm), ALIGNED=aligned,
-             PTX_WIDEN_BF16=ptx_widening(cfg, state.dtype),
-             **dict(zip(("LOAD_EVICT", "STORE_EVICT", "STORE_CACHE"), cfg.gdn_state_hints))),
+             PTX_WIDEN_BF16=ptx_widening(cfg, state.dtype)),
         cfg.options(cfg.gdn_warps, cfg.gdn_stages, tile.max_registers))
 
 
@@ -332,8 +331,7 @@ def commit_specialization(cfg: LaunchConfig, state_dtype: str, conv_dtype: str, 
                       # The hints are PTX, which Triton's interpreter cannot run.
                       PREFETCH_RECORDS=tile.prefetch_records and not interpreting(),
                       PREFETCH_NEXT_TILE=tile.prefetch_next_tile and tiles_per_program > 1 and not interpreting(),
-                      REPLAY_PAIRS=tile.replay_pairs,
-                      **dict(zip(("LOAD_EVICT", "STORE_EVICT", "STORE_CACHE"), cfg.commit_state_hints)))
+                      REPLAY_PAIRS=tile.replay_pairs)
     return triton.cdiv(tiles, tiles_per_program), constexprs, cfg.options(tile.warps, max_registers=tile.max_registers)
 
 
