@@ -116,7 +116,8 @@ def cases(cfg: LaunchConfig, K=128, V=128, H=16, HV=48):
             yield (f"gdn_recurrent precomputed={gates} state={state}", gdn_recurrent_kernel,
                    dict(H=H, HV=HV, K=K, V=V, STRIDE_S_V=K, K_PAD=tile.k_pad, K_INNER=tile.k_inner, ROWS=tile.rows,
                         ROW_LANES=tile.row_lanes, GATES_PRECOMPUTED=gates, USE_L2NORM=True, ALIGNED=True,
-                        PTX_WIDEN_BF16=ptx_widening(cfg, torch.float32 if state == "*fp32" else torch.bfloat16)),
+                        PTX_WIDEN_BF16=ptx_widening(cfg, torch.float32 if state == "*fp32" else torch.bfloat16),
+                        STATE_EVICT_FIRST=cfg.gdn_state_evict_first),
                    {**ints, **f32, "state_ptr": state, "q_ptr": "*bf16", "k_ptr": "*bf16",
                     "v_ptr": "*bf16", "out_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16"},
                    cfg.options(cfg.gdn_warps, cfg.gdn_stages, cfg.gdn_max_registers))

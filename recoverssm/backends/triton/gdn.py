@@ -42,13 +42,14 @@ SOFTPLUS_THRESHOLD = tl.constexpr(20.0)
 
 
 @triton.jit
-def load_masked(ptrs, mask, EXACT: tl.constexpr):
+def load_masked(ptrs, mask, EXACT: tl.constexpr, EVICT_FIRST: tl.constexpr = False):
     """``tl.load`` that skips the mask when the tile is known to be exactly in bounds (saves the
-    predicate registers and instructions of the common K = V = 128 case)."""
+    predicate registers and instructions of the common K = V = 128 case). ``EVICT_FIRST``: load
+    with the ``evict_first`` L2 policy (a cache hint)."""
     if EXACT:
-        return tl.load(ptrs)
+        return tl.load(ptrs, eviction_policy="evict_first" if EVICT_FIRST else "")
     else:
-        return tl.load(ptrs, mask=mask, other=0.0)
+        return tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first" if EVICT_FIRST else "")
 
 
 @triton.jit
@@ -218,7 +219,7 @@ def gdn_recurrent_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, STRIDE_S_V: tl.constexpr,
     K_PAD: tl.constexpr, K_INNER: tl.constexpr, ROWS: tl.constexpr, ROW_LANES: tl.constexpr,
     GATES_PRECOMPUTED: tl.constexpr, USE_L2NORM: tl.constexpr, ALIGNED: tl.constexpr,
-    PTX_WIDEN_BF16: tl.constexpr,
+    PTX_WIDEN_BF16: tl.constexpr, STATE_EVICT_FIRST: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     hv = tl.program_id(1)
@@ -255,7 +256,9 @@ def gdn_recurrent_kernel(
 
     if live:
         state_tile = state_ptr + slot.to(tl.int64) * stride_s_slot + hv * stride_s_h
-        S = load_masked(state_tile + tile, mask_tile, EXACT).to(tl.float32)
+        # Read once: with STATE_EVICT_FIRST its lines leave L2 first, and the token inputs that
+        # the programs of every V tile and value head re-read stay there (docs/BENCHMARKS.md).
+        S = load_masked(state_tile + tile, mask_tile, EXACT, STATE_EVICT_FIRST).to(tl.float32)
         if GATES_PRECOMPUTED:
             neg_A = 0.0
             dt_bias = 0.0
