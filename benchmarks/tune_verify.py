@@ -45,7 +45,7 @@ def main():
     ap.add_argument("--ncu-case", action="store_true")
     ap.add_argument("--grid", help="configurations to sweep, e.g. 8x4,8x4x128,8x8x0x0,8x8x0x1x0 "
                     "(lanes_k x rows [x register cap, 0: none [x PTX widening of bf16 inputs, 0 or 1 "
-                    "[x evict_first state loads, 0 or 1]]]; the last two default to the launch table's)")
+                    "[x L2 hints (gdn_l2_hints), 0 or 1]]]; the last two default to the launch table's)")
     ap.add_argument("--repeat", type=int, default=1, help="passes over the grid (an A/B within one run)")
     args = ap.parse_args()
     if args.ncu_case:
@@ -71,22 +71,22 @@ def main():
     # Lanes along K above launch.MAX_LANES_K (16) run as 16, so the sweep stops there.
     # the cuda backend's table row (small-grid rule included) with the swept fields replaced
     base = CudaBackend.launch_table[None]
-    widen, evict = int(base.gdn_ptx_widen_bf16), int(base.gdn_state_evict_first)
-    grid = [(8, 8, None, widen, evict), (8, 4, 168, widen, evict), (8, 4, None, widen, evict),
-            (16, 8, 168, widen, evict), (16, 8, None, widen, evict)]
+    widen, hints = int(base.gdn_ptx_widen_bf16), int(base.gdn_l2_hints)
+    grid = [(8, 8, None, widen, hints), (8, 4, 168, widen, hints), (8, 4, None, widen, hints),
+            (16, 8, 168, widen, hints), (16, 8, None, widen, hints)]
     if args.grid:
         grid = []
         for spec in args.grid.split(","):
             fields = list(map(int, spec.split("x")))
-            lanes_k, rows, cap, widen_spec, evict_spec = fields + [0, 0, 0, widen, evict][len(fields):]
-            grid.append((lanes_k, rows, cap or None, widen_spec, evict_spec))
+            lanes_k, rows, cap, widen_spec, hints_spec = fields + [0, 0, 0, widen, hints][len(fields):]
+            grid.append((lanes_k, rows, cap or None, widen_spec, hints_spec))
     if args.quick:
         grid = grid[:3]
     results = []
-    for _, (lanes_k, rows, max_registers, widen, evict) in itertools.product(range(args.repeat), grid):
+    for _, (lanes_k, rows, max_registers, widen, hints) in itertools.product(range(args.repeat), grid):
         cfg = replace(base, gdn_lanes_k=lanes_k, gdn_rows=rows, gdn_max_registers=max_registers,
-                      gdn_ptx_widen_bf16=bool(widen), gdn_state_evict_first=bool(evict))
-        row = dict(lanes_k=lanes_k, rows=rows, max_registers=max_registers, widen=widen, evict_first=evict)
+                      gdn_ptx_widen_bf16=bool(widen), gdn_l2_hints=bool(hints))
+        row = dict(lanes_k=lanes_k, rows=rows, max_registers=max_registers, widen=widen, l2_hints=hints)
         try:
             for N, T, HV, mode in shapes:
                 ws = wins[(N, T, HV)]

@@ -117,7 +117,7 @@ def cases(cfg: LaunchConfig, K=128, V=128, H=16, HV=48):
                    dict(H=H, HV=HV, K=K, V=V, STRIDE_S_V=K, K_PAD=tile.k_pad, K_INNER=tile.k_inner, ROWS=tile.rows,
                         ROW_LANES=tile.row_lanes, GATES_PRECOMPUTED=gates, USE_L2NORM=True, ALIGNED=True,
                         PTX_WIDEN_BF16=ptx_widening(cfg, torch.float32 if state == "*fp32" else torch.bfloat16),
-                        STATE_EVICT_FIRST=cfg.gdn_state_evict_first),
+                        L2_HINTS=cfg.gdn_l2_hints),
                    {**ints, **f32, "state_ptr": state, "q_ptr": "*bf16", "k_ptr": "*bf16",
                     "v_ptr": "*bf16", "out_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16"},
                    cfg.options(cfg.gdn_warps, cfg.gdn_stages, cfg.gdn_max_registers))

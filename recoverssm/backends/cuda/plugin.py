@@ -27,11 +27,11 @@ class CudaBackend(TritonBackend):
         # 64 requests, 0.898x -> 0.901x at 8 (fp32: 0.919x -> 0.917x, so not there) (tune_commit,
         # docs/BENCHMARKS.md). The recurrence widens bf16 token inputs with PTX bit operations
         # over fp32 states: 5% fewer instructions per token, verify N=64, T=4, HV=48 91.1 ->
-        # 88.6 us (tune_verify, docs/BENCHMARKS.md). Its state tile is loaded with the L2 policy
-        # evict_first, which keeps the shared token inputs in L2: verify N=64, T=4 89.4 -> 86.5 us
-        # at HV=48, 65.3 -> 59.8 us at HV=32 (benchmarks/exp_cache_hints.py at 17559c4).
+        # 88.6 us (tune_verify, docs/BENCHMARKS.md). Its L2 hints (the state tile evict_first, k
+        # and q evict_last): verify N=64, T=4 88.4 -> 84.7 us at HV=48 and 64.0 -> 60.5 us at
+        # HV=32, the speculative step at HV=32 138.3 -> 135.3 us (docs/BENCHMARKS.md).
         None: LaunchConfig(gdn_small_grid_programs=792, gdn_small_grid_rows=4, gdn_small_grid_max_registers=168,
-                           gdn_ptx_widen_bf16=True, gdn_state_evict_first=True,
+                           gdn_ptx_widen_bf16=True, gdn_l2_hints=True,
                            commit_block_v_bf16=16, commit_warps_bf16=1, commit_max_registers_bf16=128,
                            commit_tiles_per_program_bf16=2, commit_prefetch_records=True,
                            commit_prefetch_next_tile=True, commit_replay_pairs_bf16=True),

@@ -47,9 +47,9 @@ class LaunchConfig:
     instructions; NVIDIA GPUs only, never under Triton's interpreter; ``numerics.to_fp32``);
     applied over fp32 states only: over bf16 states the default tile then spilled 720 bytes
     (sm_90, Triton 3.6);
-    ``gdn_state_evict_first``: the recurrence loads its state tile with the ``evict_first`` L2
-    policy (a cache hint: the tile is read once, while the token inputs are re-read by every
-    program of a row's V tiles and value heads; no effect on any value);
+    ``gdn_l2_hints``: cache hints on the recurrence's loads (PTX eviction policies; no effect on
+    any value): its state tile, read once, ``evict_first``; the token's ``k`` and ``q``, read
+    again by every V tile and value head of their q/k head, ``evict_last``;
     ``commit_block_v``, ``commit_warps``: V rows per commit program and its warps;
     ``commit_block_v_bf16``, ``commit_warps_bf16``: the same for bf16 states when set (half the
     bytes per row: the replay's arithmetic, not memory, decides the best tile; the commit is
@@ -76,7 +76,7 @@ class LaunchConfig:
     gdn_small_grid_rows: int = 4
     gdn_small_grid_max_registers: Optional[int] = None
     gdn_ptx_widen_bf16: bool = False
-    gdn_state_evict_first: bool = False
+    gdn_l2_hints: bool = False
     commit_block_v: int = 32
     commit_warps: int = 1
     commit_block_v_bf16: Optional[int] = None

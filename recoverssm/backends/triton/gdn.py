@@ -41,15 +41,23 @@ L2NORM_EPS = tl.constexpr(1e-6)
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)
 
 
+# cache eviction policies of a load (hints: they never change a value)
+EVICT_NORMAL = tl.constexpr(0)
+EVICT_FIRST = tl.constexpr(1)
+EVICT_LAST = tl.constexpr(2)
+
+
 @triton.jit
-def load_masked(ptrs, mask, EXACT: tl.constexpr, EVICT_FIRST: tl.constexpr = False):
+def load_masked(ptrs, mask, EXACT: tl.constexpr, EVICTION: tl.constexpr = EVICT_NORMAL):
     """``tl.load`` that skips the mask when the tile is known to be exactly in bounds (saves the
-    predicate registers and instructions of the common K = V = 128 case). ``EVICT_FIRST``: load
-    with the ``evict_first`` L2 policy (a cache hint)."""
+    predicate registers and instructions of the common K = V = 128 case), with the cache
+    eviction policy ``EVICTION``."""
     if EXACT:
-        return tl.load(ptrs, eviction_policy="evict_first" if EVICT_FIRST else "")
+        return tl.load(ptrs, eviction_policy="evict_first" if EVICTION == EVICT_FIRST else
+                       ("evict_last" if EVICTION == EVICT_LAST else ""))
     else:
-        return tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first" if EVICT_FIRST else "")
+        return tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first" if EVICTION == EVICT_FIRST else
+                       ("evict_last" if EVICTION == EVICT_LAST else ""))
 
 
 @triton.jit
@@ -151,7 +159,7 @@ def delta_rule_step(S, k_hat, q_hat, v, beta, decay):
 @triton.jit
 def fetch_token(tok, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, stride_q_t, stride_k_t, stride_v_t, stride_a_t,
                 stride_b_t, q_head, k_head, v_head, hv, offs_k, mask_k, offs_v, mask_v,
-                ALIGNED: tl.constexpr, EXACT_K: tl.constexpr, EXACT_V: tl.constexpr):
+                ALIGNED: tl.constexpr, EXACT_K: tl.constexpr, EXACT_V: tl.constexpr, QK_EVICTION: tl.constexpr):
     """Issue the loads of one token's inputs, as stored (``k``, ``q`` broadcast over the row
     lanes, ``v``, the two gate inputs). The token loop fetches token ``t + 1`` before it works on
     token ``t``, so the loads' latency hides behind a token's arithmetic."""
@@ -161,8 +169,8 @@ def fetch_token(tok, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, stride_q_t, stride_k_t, 
     if ALIGNED:   # the launcher guarantees 16-byte aligned rows; 4-element groups match the tile
         k_ptrs = tl.max_contiguous(tl.multiple_of(k_ptrs, [1, 1, 8, 8]), [1, 1, 4, 1])
         q_ptrs = tl.max_contiguous(tl.multiple_of(q_ptrs, [1, 1, 8, 8]), [1, 1, 4, 1])
-    k_t = load_masked(k_ptrs, mask_k, EXACT_K)
-    q_t = load_masked(q_ptrs, mask_k, EXACT_K)
+    k_t = load_masked(k_ptrs, mask_k, EXACT_K, QK_EVICTION)
+    q_t = load_masked(q_ptrs, mask_k, EXACT_K, QK_EVICTION)
     v_t = load_masked(v_ptr + tok * stride_v_t + v_head + offs_v, mask_v, EXACT_V)
     a_t = tl.load(a_ptr + tok * stride_a_t + hv)
     b_t = tl.load(b_ptr + tok * stride_b_t + hv)
@@ -219,7 +227,7 @@ def gdn_recurrent_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, STRIDE_S_V: tl.constexpr,
     K_PAD: tl.constexpr, K_INNER: tl.constexpr, ROWS: tl.constexpr, ROW_LANES: tl.constexpr,
     GATES_PRECOMPUTED: tl.constexpr, USE_L2NORM: tl.constexpr, ALIGNED: tl.constexpr,
-    PTX_WIDEN_BF16: tl.constexpr, STATE_EVICT_FIRST: tl.constexpr,
+    PTX_WIDEN_BF16: tl.constexpr, L2_HINTS: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     hv = tl.program_id(1)
@@ -230,6 +238,10 @@ def gdn_recurrent_kernel(
     EXACT_K: tl.constexpr = K == K_PAD
     EXACT_V: tl.constexpr = V % BV == 0
     EXACT: tl.constexpr = EXACT_K and EXACT_V
+    # L2 hints (no effect on any value): the state tile is read once, so its lines go first; k
+    # and q are read again by every V tile and value head of their q/k head, so theirs go last.
+    STATE_EVICTION: tl.constexpr = EVICT_FIRST if L2_HINTS else EVICT_NORMAL
+    QK_EVICTION: tl.constexpr = EVICT_LAST if L2_HINTS else EVICT_NORMAL
 
     # The row's tokens, clamped so that no index value can take a load out of bounds.
     start = tl.maximum(tl.load(qsl_ptr + row), 0)
@@ -256,9 +268,7 @@ def gdn_recurrent_kernel(
 
     if live:
         state_tile = state_ptr + slot.to(tl.int64) * stride_s_slot + hv * stride_s_h
-        # Read once: with STATE_EVICT_FIRST its lines leave L2 first, and the token inputs that
-        # the programs of every V tile and value head re-read stay there (docs/BENCHMARKS.md).
-        S = load_masked(state_tile + tile, mask_tile, EXACT, STATE_EVICT_FIRST).to(tl.float32)
+        S = load_masked(state_tile + tile, mask_tile, EXACT, STATE_EVICTION).to(tl.float32)
         if GATES_PRECOMPUTED:
             neg_A = 0.0
             dt_bias = 0.0
@@ -267,13 +277,13 @@ def gdn_recurrent_kernel(
             dt_bias = tl.load(dt_bias_ptr + hv)
         fetched = fetch_token(tl.minimum(start, num_tokens - 1), q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
                               stride_q_t, stride_k_t, stride_v_t, stride_a_t, stride_b_t, q_head, k_head,
-                              v_head, hv, offs_k, mask_k, offs_v, mask_v, ALIGNED, EXACT_K, EXACT_V)
+                              v_head, hv, offs_k, mask_k, offs_v, mask_v, ALIGNED, EXACT_K, EXACT_V, QK_EVICTION)
         for t in range(0, length):
             k_t, q_t, v_t, a_t, b_t = fetched
             # the next token's loads go out now (the last iteration fetches its own token again)
             fetched = fetch_token(start + tl.minimum(t + 1, length - 1), q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
                                   stride_q_t, stride_k_t, stride_v_t, stride_a_t, stride_b_t, q_head, k_head,
-                                  v_head, hv, offs_k, mask_k, offs_v, mask_v, ALIGNED, EXACT_K, EXACT_V)
+                                  v_head, hv, offs_k, mask_k, offs_v, mask_v, ALIGNED, EXACT_K, EXACT_V, QK_EVICTION)
             k_hat, q_hat, v_t, decay, beta = prepare_token(k_t, q_t, v_t, a_t, b_t, neg_A, dt_bias, scale,
                                                            GATES_PRECOMPUTED, USE_L2NORM, PTX_WIDEN_BF16)
 

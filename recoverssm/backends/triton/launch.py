@@ -156,7 +156,7 @@ def _launch_recurrent(cfg: LaunchConfig, mode: str, q, k, v, state, state_indice
         dict(H=H, HV=HV, K=K, V=V, STRIDE_S_V=state.stride(2), K_PAD=tile.k_pad, K_INNER=tile.k_inner, ROWS=tile.rows,
              ROW_LANES=tile.row_lanes, GATES_PRECOMPUTED=gates.precomputed,
              USE_L2NORM=bool(use_qk_l2norm), ALIGNED=aligned,
-             PTX_WIDEN_BF16=ptx_widening(cfg, state.dtype), STATE_EVICT_FIRST=cfg.gdn_state_evict_first),
+             PTX_WIDEN_BF16=ptx_widening(cfg, state.dtype), L2_HINTS=cfg.gdn_l2_hints),
         cfg.options(cfg.gdn_warps, cfg.gdn_stages, tile.max_registers))
 
 
