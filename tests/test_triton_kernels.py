@@ -159,13 +159,16 @@ def test_rows_per_thread_do_not_change_the_bits(s):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("switch", ["gdn_ptx_widen_bf16", "gdn_l2_hints"])
 @pytest.mark.parametrize("rows", [8, 4])
-def test_ptx_widening_does_not_change_the_bits(rows):
-    """``gdn_ptx_widen_bf16`` widens bf16 token inputs with bit operations instead of the
-    compiler's cast (PTX, so a GPU-only test: the interpreter never takes that path). Verify's
-    outputs and records, native decode's state and every snapshot are identical either way, with
-    token inputs that include signed zeros, bf16 subnormals and large values (1e30: larger
-    ones overflow the state to NaN, which torch.equal cannot compare)."""
+def test_ptx_switches_do_not_change_the_bits(switch, rows):
+    """Two launch-table switches act in PTX only, so this is a GPU-only test (the interpreter
+    never takes those paths): ``gdn_ptx_widen_bf16`` widens bf16 token inputs with bit operations
+    instead of the compiler's cast; ``gdn_l2_hints`` adds cache eviction policies to the
+    recurrence's loads (another binary). Verify's outputs and records, native decode's state and
+    every snapshot are identical either way, with token inputs that include signed zeros, bf16
+    subnormals and large values (1e30: larger ones overflow the state to NaN, which torch.equal
+    cannot compare)."""
     from dataclasses import replace
 
     from recoverssm.backends.triton import launch
@@ -181,8 +184,8 @@ def test_ptx_widening_does_not_change_the_bits(rows):
     p.q[:, :, 5:13] = special[:4].repeat(2)
     snapshot_slots = torch.arange(p.B * p.T, dtype=torch.int32, device="cuda").view(p.B, p.T) + 8
     (out0, rec0, native0, snap0), (out1, rec1, native1, snap1) = (
-        launch_every_mode(p, replace(launch.LaunchConfig(), gdn_rows=rows, gdn_ptx_widen_bf16=widen), snapshot_slots)
-        for widen in (False, True))
+        launch_every_mode(p, replace(launch.LaunchConfig(), gdn_rows=rows, **{switch: on}), snapshot_slots)
+        for on in (False, True))
     assert torch.equal(out0, out1)
     for name in ("correction", "key", "decay"):
         assert torch.equal(getattr(rec0, name), getattr(rec1, name)), name
