@@ -28,8 +28,9 @@ class CudaBackend(TritonBackend):
         # docs/BENCHMARKS.md). The recurrence widens bf16 token inputs with PTX bit operations
         # over fp32 states: 5% fewer instructions per token, verify N=64, T=4, HV=48 91.1 ->
         # 88.6 us (tune_verify, docs/BENCHMARKS.md). Its L2 hints (the state tile evict_first, k
-        # and q evict_last): verify N=64, T=4 88.4 -> 84.7 us at HV=48 and 64.0 -> 60.5 us at
-        # HV=32, the speculative step at HV=32 138.3 -> 135.3 us (docs/BENCHMARKS.md).
+        # and q evict_last): verify N=64, T=4 88.5 -> 84.8 us at HV=48 and 64.8 -> 60.7 us at
+        # HV=32 (tune_verify, one call), the speculative step at HV=32 1.374x -> 1.420x the
+        # snapshot path (docs/BENCHMARKS.md).
         None: LaunchConfig(gdn_small_grid_programs=792, gdn_small_grid_rows=4, gdn_small_grid_max_registers=168,
                            gdn_ptx_widen_bf16=True, gdn_l2_hints=True,
                            commit_block_v_bf16=16, commit_warps_bf16=1, commit_max_registers_bf16=128,
