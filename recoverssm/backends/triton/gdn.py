@@ -52,12 +52,12 @@ def load_masked(ptrs, mask, EXACT: tl.constexpr, EVICTION: tl.constexpr = EVICT_
     """``tl.load`` that skips the mask when the tile is known to be exactly in bounds (saves the
     predicate registers and instructions of the common K = V = 128 case), with the cache
     eviction policy ``EVICTION``."""
+    POLICY: tl.constexpr = ("evict_first" if EVICTION == EVICT_FIRST else
+                            "evict_last" if EVICTION == EVICT_LAST else "")
     if EXACT:
-        return tl.load(ptrs, eviction_policy="evict_first" if EVICTION == EVICT_FIRST else
-                       ("evict_last" if EVICTION == EVICT_LAST else ""))
+        return tl.load(ptrs, eviction_policy=POLICY)
     else:
-        return tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first" if EVICTION == EVICT_FIRST else
-                       ("evict_last" if EVICTION == EVICT_LAST else ""))
+        return tl.load(ptrs, mask=mask, other=0.0, eviction_policy=POLICY)
 
 
 @triton.jit
