@@ -22,8 +22,6 @@ import json
 import os
 import re
 import statistics
-import sys
-import types
 
 import torch
 
@@ -31,6 +29,8 @@ from recoverssm.backends.triton import commit as commit_module
 from recoverssm.backends.triton import launch
 from recoverssm.bench.problems import align_step, commit_context
 from recoverssm.bench.timing import CopyCeiling, median_us
+
+from kernel_variant import compile_variant, replace_once  # noqa: E402  (same directory)
 
 H, HV, K, V, T = 16, 48, 128, 128, 4
 STAMPS = 7   # global timer at start, plan, end; clock64 at start, plan, end; SM id
@@ -67,9 +67,7 @@ _STAMP = """    _rec = timeline_ptr + ((layer * tl.num_programs(1) + row) * tl.n
 
 
 def _replace_once(text: str, old: str, new: str) -> str:
-    if text.count(old) != 1:
-        raise RuntimeError(f"commit.py changed: {old!r} found {text.count(old)} times; update this script")
-    return text.replace(old, new)
+    return replace_once(text, old, new, "commit.py")
 
 
 def stamped_kernel():
@@ -87,13 +85,7 @@ def stamped_kernel():
     # the kernel is the file's last function: its end is the end of the file
     body_end = re.search(r"\n*\Z", source).start()
     source = source[:body_end] + "\n" + _STAMP.format(2, "item")
-    module = types.ModuleType("recoverssm_commit_stamped")
-    module.__file__ = os.path.join(os.environ.get("OUT", "/tmp"), "recoverssm_commit_stamped.py")
-    with open(module.__file__, "w") as f:      # Triton reads a jit function's source from its file
-        f.write(source)
-    sys.modules[module.__name__] = module
-    exec(compile(source, module.__file__, "exec"), module.__dict__)
-    return module.grouped_commit_kernel
+    return compile_variant(source, "recoverssm_commit_stamped").grouped_commit_kernel
 
 
 class StampedLaunch:

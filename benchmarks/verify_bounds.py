@@ -18,8 +18,6 @@ import argparse
 import itertools
 import json
 import os
-import sys
-import types
 
 import torch
 
@@ -29,7 +27,8 @@ from recoverssm.backends.triton import launch
 from recoverssm.backends.triton.direct_launch import DirectLauncher
 from recoverssm.bench.timing import CopyCeiling, copies_for, median_us
 
-from tune_verify import H, K, V, run, window  # noqa: E402  (same directory)
+from kernel_variant import compile_variant, replace_once  # noqa: E402  (same directory)
+from tune_verify import H, K, V, run, window  # noqa: E402
 
 STATE_BASE = "state_tile = state_ptr + slot.to(tl.int64) * stride_s_slot + hv * stride_s_h"
 STATE_LOAD = "S = load_masked(state_tile + tile, mask_tile, EXACT, STATE_EVICTION).to(tl.float32)"
@@ -44,17 +43,9 @@ def variant_kernel(name: str):
     if VARIANTS[name] is None:
         return gdn_module.gdn_recurrent_kernel
     old, new = VARIANTS[name]
-    source = open(gdn_module.__file__).read()
-    if source.count(old) != 1:
-        raise RuntimeError(f"gdn.py changed: {old!r} found {source.count(old)} times; update this script")
-    source = source.replace(old, new).replace("from .numerics import", "from recoverssm.backends.triton.numerics import")
-    module = types.ModuleType(f"recoverssm_gdn_{name}")
-    module.__file__ = os.path.join(os.environ.get("OUT", "/tmp"), f"recoverssm_gdn_{name}.py")
-    with open(module.__file__, "w") as f:      # Triton reads a jit function's source from its file
-        f.write(source)
-    sys.modules[module.__name__] = module
-    exec(compile(source, module.__file__, "exec"), module.__dict__)
-    return module.gdn_recurrent_kernel
+    source = replace_once(open(gdn_module.__file__).read(), old, new, "gdn.py")
+    source = replace_once(source, "from .numerics import", "from recoverssm.backends.triton.numerics import", "gdn.py")
+    return compile_variant(source, f"recoverssm_gdn_{name}").gdn_recurrent_kernel
 
 
 def main():
