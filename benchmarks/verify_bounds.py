@@ -9,7 +9,8 @@ load replaced, and times it beside the library's kernel on the bench's verify sh
 * ``l2``: every row reads the state tiles of slot 0 (3 MiB at HV = 48, so served from L2): the
   kernel without HBM traffic for the state, the load's latency that of L2;
 * ``no_load``: the tile is computed from its offsets and the row's slot (no memory at all): the
-  token loop, the gates, the stores and the launch, i.e. the time no staging of the state can beat.
+  token loop, the gates, the stores and the launch, plus the few instructions that make the tile.
+  No staging of the state could make verify faster than this, less those instructions.
 
 Only verify mode is timed; the variants' outputs are meaningless and not checked. Prints one row per
 (variant, shape) and writes verify_bounds.json under $OUT when set.
