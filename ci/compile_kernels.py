@@ -28,9 +28,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from recoverssm.backends.triton.commit import grouped_commit_kernel, plan_commit_kernel
-from recoverssm.backends.triton.conv import conv_verify_kernel
-from recoverssm.backends.triton.gdn import gdn_recurrent_kernel
-from recoverssm.backends.triton.launch import LaunchConfig, commit_specialization, ptx_widening, recurrence_tile
+from recoverssm.backends.triton.config import LaunchTable
+from recoverssm.backends.triton.conv import conv_decode_kernel, conv_verify_kernel
+from recoverssm.backends.triton.launch import commit_specialization, recurrence_specialization
+from recoverssm.backends.triton.recurrence import recurrence_kernel
+from recoverssm.core.backend import GateInputs
 
 
 def _signature(fn, pointer_types: dict[str, str], constexprs: dict, default: str = "i32"):
@@ -105,31 +107,39 @@ def _resource_usage(cubin: bytes) -> tuple[int, int]:
     return regs, stack
 
 
-def cases(cfg: LaunchConfig, K=128, V=128, H=16, HV=48):
+def cases(table: LaunchTable, K=128, V=128, H=16, HV=48):
+    """Every specialization the cuda backend launches at these head sizes: the recurrence for
+    GDN and KDA, raw and precomputed gates, fp32 and bf16 states, on the large-grid tile and the
+    small-grid one; both conv kernels; the plan; the commit for both state dtypes and both decays."""
     ints = {n: "*i32" for n in ("state_indices_ptr", "qsl_ptr", "snapshot_ptr", "num_accepted_ptr",
                                 "request_indices_ptr", "block_table_ptr", "num_computed_ptr",
                                 "commit_len_ptr", "final_ptr", "boundary_ptr", "boundary_len_ptr")}
-    f32 = {"scale": "fp32"}
-    tile = recurrence_tile(cfg, K, V)
-    for state in ("*fp32", "*bf16"):
-        for gates in (False, True):
-            yield (f"gdn_recurrent precomputed={gates} state={state}", gdn_recurrent_kernel,
-                   dict(H=H, HV=HV, K=K, V=V, STRIDE_S_V=K, K_PAD=tile.k_pad, K_INNER=tile.k_inner, ROWS=tile.rows,
-                        ROW_LANES=tile.row_lanes, GATES_PRECOMPUTED=gates, USE_L2NORM=True, ALIGNED=True,
-                        PTX_WIDEN_BF16=ptx_widening(cfg, torch.float32 if state == "*fp32" else torch.bfloat16),
-                        L2_HINTS=cfg.gdn_l2_hints),
-                   {**ints, **f32, "state_ptr": state, "q_ptr": "*bf16", "k_ptr": "*bf16",
-                    "v_ptr": "*bf16", "out_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16"},
-                   cfg.options(cfg.gdn_warps, cfg.gdn_stages, cfg.gdn_max_registers))
-    yield ("conv_verify", conv_verify_kernel,
-           dict(WIDTH=4, BD=cfg.conv_block, HAS_BIAS=True, SILU=True),
-           {**ints, "x_ptr": "*bf16", "conv_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16",
-            "out_ptr": "*bf16"}, cfg.options(cfg.conv_warps))
-    yield ("plan_commit", plan_commit_kernel, dict(BLOCK=cfg.plan_block), {**ints, "bt_stride": "i64"}, cfg.options(4))
-    for state in ("fp32", "bf16"):
-        _, constexprs, options = commit_specialization(cfg, state, "bf16", H, HV, K, V, conv_cols=4, aligned=True)
-        yield (f"grouped_commit state={state}", grouped_commit_kernel, constexprs,
-               {**ints, "layer_table_ptr": "*i64", "group_table_ptr": "*i64"}, options)
+    floats = {"scale": "fp32", "lower_bound": "fp32"}
+    for state_dtype, state in ((torch.float32, "*fp32"), (torch.bfloat16, "*bf16")):
+        for kind in ("gdn", "kda"):
+            for precomputed in (False, True):
+                for grid, heads_times_rows in (("large", None), ("small", 1)):
+                    gates = GateInputs(g=1, beta=1, kind=kind) if precomputed else GateInputs(a=1, kind=kind)
+                    tile, constexprs, options = recurrence_specialization(
+                        table, state_dtype, H, HV, K, V, K, gates, True, True, heads_times_rows)
+                    yield (f"{kind} recurrence precomputed={precomputed} state={state} {grid} grid", recurrence_kernel,
+                           constexprs, {**ints, **floats, "state_ptr": state, "q_ptr": "*bf16", "k_ptr": "*bf16",
+                                        "v_ptr": "*bf16", "out_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16"},
+                           options)
+    conv = dict(WIDTH=4, BD=table.conv.block, HAS_BIAS=True, SILU=True, INTERPRETED=False)
+    conv_types = {**ints, "x_ptr": "*bf16", "conv_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16",
+                  "out_ptr": "*bf16"}
+    yield ("conv_verify", conv_verify_kernel, conv, conv_types, table.options(table.conv.warps))
+    yield ("conv_decode", conv_decode_kernel, conv, conv_types, table.options(table.conv.warps))
+    yield ("plan_commit", plan_commit_kernel, dict(BLOCK=table.plan_block), {**ints, "bt_stride": "i64"},
+           table.options(4))
+    for state_dtype, state in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        for vector_decay in (False, True):
+            _, constexprs, options = commit_specialization(table.commit_for(state_dtype), table, state, "bf16",
+                                                           H, HV, K, V, conv_cols=4, aligned=True,
+                                                           vector_decay=vector_decay)
+            yield (f"grouped_commit state={state} vector_decay={vector_decay}", grouped_commit_kernel, constexprs,
+                   {**ints, "layer_table_ptr": "*i64", "group_table_ptr": "*i64"}, options)
 
 
 def main(argv=None) -> int:
@@ -137,20 +147,19 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--loops", action="store_true", help="count the instructions of each kernel's first loop")
     args = ap.parse_args(argv)
-    from recoverssm.backends.cuda.plugin import CudaBackend
-    cfg = CudaBackend.launch_table[None]
+    from recoverssm.backends.cuda.launch_table import LAUNCH_TABLE
     failed = 0
-    for name, fn, constexprs, ptypes, options in cases(cfg):
+    for name, fn, constexprs, ptypes, options in cases(LAUNCH_TABLE):
         try:
             (regs, spills), cubin = compile_one(fn, constexprs, ptypes, options, args.arch)
-            print(f"{name:40s} warps={options['num_warps']} regs={regs:4d} stack bytes={spills}")
+            print(f"{name:58s} warps={options['num_warps']} regs={regs:4d} stack bytes={spills}")
             if args.loops:
                 ops = first_loop_opcodes(cubin)
                 top = ", ".join(f"{op} {n}" for op, n in ops.most_common(8))
-                print(f"{'':40s} first loop: {sum(ops.values())} instructions ({top})")
+                print(f"{'':58s} first loop: {sum(ops.values())} instructions ({top})")
         except Exception as exc:  # noqa: BLE001 - report every kernel, fail at the end
             failed += 1
-            print(f"{name:40s} FAILED: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+            print(f"{name:58s} FAILED: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
     return 1 if failed else 0
 
 

@@ -2,9 +2,11 @@
 
 Verify a draft window from a read-only checkpoint while recording a small fp32 replay record per
 token, then commit only the accepted tokens with ``S = fma(c, k, S * decay)``, writing each state
-once. The committed state is bit-identical to the per-token path.
+once. The committed state is bit-identical to the per-token path. Every op is also a
+``torch.library`` custom op, ``torch.ops.recoverssm.<name>``.
 """
-from .core.api import conv_verify, gdn_decode, gdn_spec_decode_snapshot, gdn_verify
+from .core.api import (conv_decode, conv_verify, gdn_decode, gdn_spec_decode_snapshot, gdn_verify, kda_decode,
+                       kda_spec_decode_snapshot, kda_verify)
 from .core.backend import Backend
 from .core.commit import CommitContext, plan_commit
 from .core.registry import BackendError, available_backends, get_backend
@@ -14,6 +16,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Backend", "BackendError", "CommitContext", "CommitPlan", "LayerCache", "ReplayRecords",
-    "available_backends", "conv_verify", "gdn_decode", "gdn_spec_decode_snapshot", "gdn_verify",
-    "get_backend", "plan_commit", "__version__",
+    "available_backends", "conv_decode", "conv_verify", "gdn_decode", "gdn_spec_decode_snapshot", "gdn_verify",
+    "get_backend", "kda_decode", "kda_spec_decode_snapshot", "kda_verify", "plan_commit", "__version__",
 ]

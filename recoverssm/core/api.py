@@ -1,7 +1,10 @@
-"""The public ops (contract section 5): validate, allocate outputs, pick a backend, launch.
+"""The public ops: allocate what the caller did not pass and call ``torch.ops.recoverssm.*``.
 
-Nothing here computes; the math lives in the backends (``recoverssm/backends/cpu_ref`` is the
-readable reference, ``recoverssm/backends/triton`` the kernels).
+Nothing here computes or validates beyond argument *types* (so that a wrong type is a
+``TypeError`` naming the argument rather than a schema error): every other check runs inside the
+op (``core/ops.py`` -> ``core/arguments.py``), and the math lives in the backends
+(``recoverssm/backends/cpu_ref`` is the readable reference, ``recoverssm/backends/triton`` the
+kernels). These functions trace under ``torch.compile`` without graph breaks.
 """
 from __future__ import annotations
 
@@ -9,23 +12,37 @@ from typing import Optional, Union
 
 import torch
 
-from .backend import Backend, GateInputs
-from .registry import registry
+from .backend import Backend
+from .ops import op, resolve_name
 from .types import ReplayRecords
-from .validation import FLOAT_DTYPES, STATE_DTYPES, Checker, wants_value_checks
 
 BackendArg = Union[str, Backend, None]
 CONV_ACTIVATIONS = {"silu": True, None: False, "none": False, "identity": False}
 
 
-def _resolve(backend: BackendArg, device: torch.device) -> Backend:
-    return registry().resolve(backend, device)[0]
+def check_types(op_name: str, **tensors) -> None:
+    """``TypeError`` naming the first argument that is neither a tensor nor ``None``."""
+    for name, x in tensors.items():
+        if x is not None and not isinstance(x, torch.Tensor):
+            raise TypeError(f"{op_name}: {name} must be a torch.Tensor, got {type(x).__name__}")
 
 
-def _first_tensor(op: str, name: str, x) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(x).__name__}")
-    return x
+def _silu(op_name: str, activation) -> bool:
+    if not (activation is None or isinstance(activation, str)) or activation not in CONV_ACTIVATIONS:
+        raise ValueError(f"{op_name}: activation must be 'silu' or None, got {activation!r}")
+    return CONV_ACTIVATIONS[activation]
+
+
+def _out_like(x: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
+    """``out``, or a new tensor of ``x``'s shape and dtype. Every token of every row is written
+    (padding rows with zeros); tokens past ``query_start_loc[-1]`` are left as they are."""
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
+
+
+def _records(op_name: str, records) -> ReplayRecords:
+    if not isinstance(records, ReplayRecords):
+        raise TypeError(f"{op_name}: records must be a ReplayRecords, got {type(records).__name__}")
+    return records
 
 
 # ------------------------------------------------------------------------------------------------
@@ -39,120 +56,102 @@ def conv_verify(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
     """Causal depthwise conv of each row's window, reading the history from ``conv_state``.
 
     ``x``: ``[T_total, conv_dim]`` (last dim contiguous), the window inputs of all rows.
-    ``conv_state``: ``[num_slots, conv_dim, history + T_max]`` with ``history = width - 1``; the
-    window's inputs are stored at columns ``[history, history + len)``; columns ``[0, history)``
-    are read only. ``weight``: ``[conv_dim, width]``; ``bias``: ``[conv_dim]`` or None.
-    Returns ``out``: ``[T_total, conv_dim]`` in ``x.dtype`` (padding rows: zeros).
+    ``conv_state``: ``[num_slots, conv_dim, history + window]`` with ``history = width - 1``: the
+    last ``history`` inputs before the window at columns ``[0, history)`` (read only); the
+    window's inputs are stored at ``[history, history + len)``. ``weight``: ``[conv_dim, width]``
+    (``weight[:, -1]`` multiplies the current token); ``bias``: ``[conv_dim]`` or None.
+    ``y_p = act(bias + sum_j weight[:, j] * seq[p + j])`` with ``seq = history ++ window``,
+    accumulated in fp32; ``activation``: ``"silu"`` or ``None``.
+    ``state_indices``: int32 ``[B]``; ``query_start_loc``: int32 ``[B + 1]``, each row at most
+    ``window`` tokens. Returns ``out``: ``[T_total, conv_dim]`` in ``x.dtype`` (padding rows: zeros).
     """
-    op = "conv_verify"
-    c = Checker(op, _first_tensor(op, "x", x).device)
-    c.tensor("x", x, dims=2, dtypes=FLOAT_DTYPES, last_contiguous=True)
-    T, dim = x.shape
-    c.tensor("weight", weight, dims=2, dtypes=FLOAT_DTYPES)
-    if weight.shape[0] != dim:
-        c.fail("weight", f"has {weight.shape[0]} channels, x has {dim}")
-    history = weight.shape[1] - 1
-    c.tensor("conv_state", conv_state, dims=3, dtypes=FLOAT_DTYPES)
-    if conv_state.shape[1] != dim:
-        c.fail("conv_state", f"has {conv_state.shape[1]} channels, x has {dim}")
-    window = conv_state.shape[2] - history
-    if window < 1:
-        c.fail("conv_state", f"has {conv_state.shape[2]} columns, no room for a window after "
-                             f"the {history} history columns (weight width {weight.shape[1]})")
-    if bias is not None:
-        c.tensor("bias", bias, dtypes=FLOAT_DTYPES, shape=(dim,))
-    if activation not in CONV_ACTIVATIONS:
-        c.fail("activation", f"must be 'silu' or None, got {activation!r}")
-    c.index("state_indices", state_indices)
-    B = state_indices.shape[0]
-    c.index("query_start_loc", query_start_loc, B + 1)
-    null_slot = c.integer("null_slot", null_slot)
-    if out is not None:
-        c.tensor("out", out, dtypes=FLOAT_DTYPES, shape=(T, dim), last_contiguous=True)
-        for name, t in (("x", x), ("conv_state", conv_state)):
-            c.no_overlap("out", out, name, t)
-    if wants_value_checks(check, x.device):
-        c.slots_in_range("state_indices", state_indices, conv_state.shape[0], null_slot)
-        c.query_start_loc("query_start_loc", query_start_loc, T, window)
-    be = _resolve(backend, x.device)
-    if out is None:
-        out = torch.empty_like(x)
-    be.conv_verify(x, conv_state, weight, bias, state_indices, query_start_loc,
-                   CONV_ACTIVATIONS[activation], null_slot, out)
+    name = "conv_verify"
+    check_types(name, x=x, conv_state=conv_state, weight=weight, bias=bias, state_indices=state_indices,
+                query_start_loc=query_start_loc, out=out)
+    silu = _silu(name, activation)
+    out = _out_like(x, out)
+    op(name)(x, conv_state, weight, bias, state_indices, query_start_loc, silu, null_slot, out,
+             resolve_name(backend), check)
+    return out
+
+
+def conv_decode(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+                bias: Optional[torch.Tensor], *, state_indices: torch.Tensor,
+                activation: Optional[str] = "silu", null_slot: int = -1,
+                out: Optional[torch.Tensor] = None, backend: BackendArg = None,
+                check: Optional[bool] = None) -> torch.Tensor:
+    """One decode token per row: the conv output, and the row's history shifted by one in place.
+
+    ``x``: ``[B, conv_dim]``, row ``r``'s token; ``conv_state``: the layout of
+    :func:`conv_verify` (only the ``history = width - 1`` columns ``[0, history)`` are used; a
+    decode-only pool may have exactly ``history`` columns). The output is the same arithmetic as
+    :func:`conv_verify` for a window of one token, and afterwards the history holds its last
+    ``history - 1`` inputs followed by ``x[r]`` (rounded to ``conv_state.dtype``): ``n`` calls
+    leave the conv state as :func:`conv_verify` of the ``n`` tokens and a commit of all of them.
+    Returns ``out`` ``[B, conv_dim]`` in ``x.dtype`` (padding rows: zeros, history untouched).
+    """
+    name = "conv_decode"
+    check_types(name, x=x, conv_state=conv_state, weight=weight, bias=bias, state_indices=state_indices,
+                out=out)
+    silu = _silu(name, activation)
+    out = _out_like(x, out)
+    op(name)(x, conv_state, weight, bias, state_indices, silu, null_slot, out, resolve_name(backend), check)
     return out
 
 
 # ------------------------------------------------------------------------------------------------
-# GDN
+# the recurrences
 # ------------------------------------------------------------------------------------------------
-def _check_gdn(op, q, k, v, state, state_indices, query_start_loc, a, b, A_log, dt_bias, g, beta,
-               scale, null_slot, out):
-    """Checks shared by verify, decode and snapshot; returns (checker, dims, gates, scale)."""
-    c = Checker(op, _first_tensor(op, "q", q).device)
-    c.tensor("q", q, dims=3, dtypes=FLOAT_DTYPES, last_contiguous=True)
-    T, H, K = q.shape
-    c.tensor("k", k, dtypes=(q.dtype,), shape=(T, H, K), last_contiguous=True)
-    c.tensor("v", v, dims=3, dtypes=(q.dtype,), last_contiguous=True)
-    if v.shape[0] != T:
-        c.fail("v", f"has {v.shape[0]} tokens, q has {T}")
-    HV, V = v.shape[1], v.shape[2]
-    if HV % H:
-        c.fail("v", f"has {HV} value heads, not a multiple of the {H} q/k heads")
-    c.tensor("state", state, dims=4, dtypes=STATE_DTYPES, shape=(None, HV, V, K), last_contiguous=True)
-    c.index("state_indices", state_indices)
-    B = state_indices.shape[0]
-    c.index("query_start_loc", query_start_loc, B + 1)
-    raw = [x is not None for x in (a, b, A_log, dt_bias)]
-    pre = [x is not None for x in (g, beta)]
-    if any(raw) and any(pre):
-        c.fail("g", "and beta cannot be given together with a, b, A_log, dt_bias; pass one gate form")
-    if all(pre):
-        c.tensor("g", g, dtypes=FLOAT_DTYPES, shape=(T, HV), last_contiguous=True)
-        c.tensor("beta", beta, dtypes=FLOAT_DTYPES, shape=(T, HV), last_contiguous=True)
-        gates = GateInputs(g=g, beta=beta)
-    elif all(raw):
-        c.tensor("a", a, dtypes=FLOAT_DTYPES, shape=(T, HV), last_contiguous=True)
-        c.tensor("b", b, dtypes=FLOAT_DTYPES, shape=(T, HV), last_contiguous=True)
-        c.tensor("A_log", A_log, dtypes=(torch.float32,), shape=(HV,), contiguous=True)
-        c.tensor("dt_bias", dt_bias, dtypes=(torch.float32,), shape=(HV,), contiguous=True)
-        gates = GateInputs(a=a, b=b, A_log=A_log, dt_bias=dt_bias)
+_GATE_DOC = """
+    Gates, one of two forms. Raw: ``a`` and ``b`` ``[T_total, HV]``, ``A_log`` and ``dt_bias``
+    ``[HV]`` fp32; then ``g = -exp(A_log) * softplus(a + dt_bias)`` (``softplus(x) = x`` for
+    ``x > 20``, else ``log1p(exp(x))``) and ``beta = sigmoid(b)``. Precomputed: ``g`` (the gate in
+    log space, ``<= 0``) and ``beta`` (already a sigmoid) ``[T_total, HV]``. The decay of a token
+    is ``exp(g)``.
+"""
+
+_KDA_GATE_DOC = """
+    Gates, one of two forms. Raw: ``a`` ``[T_total, HV, K]`` (the gate input per K channel),
+    ``dt_bias`` ``[HV, K]`` fp32, ``A_log`` ``[HV]`` fp32, ``b`` ``[T_total, HV]``; then
+    ``g = -exp(A_log) * softplus(a + dt_bias)`` per channel, or with ``lower_bound`` given
+    ``g = lower_bound * sigmoid(exp(A_log) * (a + dt_bias))``; ``beta = sigmoid(b)``.
+    Precomputed: ``g`` ``[T_total, HV, K]`` (log space) and ``beta`` ``[T_total, HV]``. The decay
+    of a token is the K-vector ``exp(g)``: column ``j`` of the state is scaled by ``exp(g[j])``.
+"""
+
+_RECURRENCE_DOC = """
+    ``q``, ``k``: ``[T_total, H, K]``; ``v``: ``[T_total, HV, V]`` (``HV`` a multiple of ``H``;
+    last dims contiguous, other strides free, so views into a fused projection are read in
+    place). ``state``: ``[num_slots, HV, V, K]`` fp32 or bf16, K contiguous.
+    ``state_indices``: int32 ``[B]``, each row's slot; a value ``<= null_slot`` makes a padding
+    row (reads nothing, writes nothing, outputs zeros). ``query_start_loc``: int32 ``[B + 1]``,
+    row ``r`` owns tokens ``[qsl[r], qsl[r + 1])``.
+    Per token: ``k^ = k / sqrt(sum(k^2) + 1e-6)``, ``q^ = q / sqrt(sum(q^2) + 1e-6) * scale``
+    (with ``use_qk_l2norm``; else ``k^ = k``, ``q^ = q * scale``; ``scale`` defaults to
+    ``K ** -0.5``), ``S' = S * decay``, ``c = beta * (v - S' k^)``, ``S = fma(c, k^, S')``,
+    ``o = S q^``; the state stays fp32 within a call. Returns ``out`` ``[T_total, HV, V]`` in
+    ``v.dtype``. ``check``: run the checks of index values on device tensors (a host sync).
+"""
+
+
+def _recurrence(kind: str, mode: str, q, k, v, state, state_indices, query_start_loc, records, snapshot_slots,
+                gates: dict, scale, use_qk_l2norm, null_slot, out, backend, check) -> torch.Tensor:
+    name = f"{kind}_{'spec_decode_snapshot' if mode == 'snapshot' else mode}"
+    lower = {} if kind == "gdn" else {"lower_bound": gates.pop("lower_bound")}
+    check_types(name, q=q, k=k, v=v, state=state, state_indices=state_indices, query_start_loc=query_start_loc,
+                snapshot_slots=snapshot_slots, out=out, **gates)
+    out = _out_like(v, out)
+    head = (q, k, v, state, state_indices, query_start_loc)
+    tail = (scale, use_qk_l2norm, null_slot, out, resolve_name(backend), check)
+    gate_args = (gates["a"], gates["b"], gates["A_log"], gates["dt_bias"], gates["g"], gates["beta"])
+    if mode == "verify":
+        rec = _records(name, records)
+        op(name)(*head, rec.correction, rec.key, rec.decay, *gate_args, *lower.values(), *tail)
+    elif mode == "decode":
+        op(name)(*head, *gate_args, *lower.values(), *tail)
     else:
-        missing = [n for n, given in zip(("a", "b", "A_log", "dt_bias"), raw) if not given]
-        if any(pre):
-            missing = [n for n, given in zip(("g", "beta"), pre) if not given]
-        c.fail(missing[0], "is missing: pass a, b, A_log and dt_bias, or g and beta")
-    if scale is None:
-        scale = K ** -0.5
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        c.fail("scale", f"must be a float, got {type(scale).__name__}", TypeError)
-    null_slot = c.integer("null_slot", null_slot)
-    if out is not None:
-        c.tensor("out", out, dtypes=FLOAT_DTYPES, shape=(T, HV, V), last_contiguous=True)
-        for name, t in (("q", q), ("k", k), ("v", v), ("state", state)):
-            c.no_overlap("out", out, name, t)
-    return c, (T, H, HV, K, V, B), gates, float(scale), null_slot
-
-
-def _check_records(c: Checker, records, dims):
-    T, H, HV, K, V, B = dims
-    if not isinstance(records, ReplayRecords):
-        c.fail("records", f"must be a ReplayRecords, got {type(records).__name__}", TypeError)
-    for name in ("correction", "key", "decay"):     # ranks first: the shapes below index them
-        c.tensor(f"records.{name}", getattr(records, name), dims=None if name == "decay" else 4)
-    if records.vector_decay:
-        c.fail("records", "hold a vector decay (KDA); GDN verify records a scalar decay per head")
-    mb, tm = records.max_batch, records.max_window
-    c.tensor("records.correction", records.correction, dtypes=(torch.float32,), shape=(mb, HV, tm, V), contiguous=True)
-    c.tensor("records.key", records.key, dtypes=(torch.float32,), shape=(mb, H, tm, K), contiguous=True)
-    c.tensor("records.decay", records.decay, dtypes=(torch.float32,), shape=(mb, HV, tm), contiguous=True)
-    if mb < B:
-        c.fail("records", f"have room for {mb} rows, the batch has {B}")
-
-
-def _finish_out(out, v):
-    # Every token of every row is written (padding rows with zeros), so no fill is needed; tokens
-    # outside all rows (past query_start_loc[-1]) are left unwritten.
-    return torch.empty(v.shape, dtype=v.dtype, device=v.device) if out is None else out
+        op(name)(*head, snapshot_slots, *gate_args, *lower.values(), *tail)
+    return out
 
 
 def gdn_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, state: torch.Tensor,
@@ -165,45 +164,13 @@ def gdn_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, state: torc
                check: Optional[bool] = None) -> torch.Tensor:
     """Verify a window per row from its read-only checkpoint; write outputs and replay records.
 
-    ``q``, ``k``: ``[T_total, H, K]``; ``v``: ``[T_total, HV, V]`` (last dims contiguous, other
-    strides free); ``a``, ``b`` (or ``g``, ``beta``): ``[T_total, HV]``; ``A_log``, ``dt_bias``:
-    ``[HV]`` fp32. ``state``: ``[num_slots, HV, V, K]`` fp32/bf16, read only. ``state_indices``:
-    int32 ``[B]`` (``<= null_slot``: padding row); ``query_start_loc``: int32 ``[B + 1]``; each
-    row's length at most ``records.max_window``. Returns ``out`` ``[T_total, HV, V]`` (``v.dtype``).
-    Records of row ``r`` land at ``records.*[r, :, t]`` for ``t < len``.
+    The state is read, never written. Each row's length is at most ``records.max_window`` and
+    ``B <= records.max_batch``; the records of row ``r`` land at ``records.*[r, :, t]`` for
+    ``t < len`` (correction ``c``, key ``k^``, decay), for :meth:`CommitContext.commit`.
     """
-    c, dims, gates, scale, null_slot = _check_gdn("gdn_verify", q, k, v, state, state_indices,
-                                                  query_start_loc, a, b, A_log, dt_bias, g, beta,
-                                                  scale, null_slot, out)
-    _check_records(c, records, dims)
-    if wants_value_checks(check, q.device):
-        c.slots_in_range("state_indices", state_indices, state.shape[0], null_slot)
-        c.query_start_loc("query_start_loc", query_start_loc, dims[0], records.max_window)
-    be = _resolve(backend, q.device)
-    out = _finish_out(out, v)
-    be.gdn_recurrent("verify", q, k, v, state, state_indices, query_start_loc, gates, scale,
-                     bool(use_qk_l2norm), null_slot, out,
-                     (records.correction, records.key, records.decay), None)
-    return out
-
-
-def _written_slots_distinct(c: Checker, name: str, writes: list[tuple[int, int]],
-                            sources: list[tuple[int, int]]):
-    """Refuse two writes to one slot, or a write to a slot another row reads (a race on a GPU).
-
-    ``writes`` and ``sources``: ``(row, slot)`` pairs (several rows may read one slot)."""
-    readers: dict[int, list[int]] = {}
-    for row, slot in sources:
-        readers.setdefault(slot, []).append(row)
-    seen: dict[int, int] = {}
-    for row, slot in writes:
-        if slot in seen and seen[slot] != row:
-            c.fail(name, f"sends rows {seen[slot]} and {row} to the same slot {slot}")
-        seen[slot] = row
-    for row, slot in writes:
-        others = [r for r in readers.get(slot, ()) if r != row]
-        if others:
-            c.fail(name, f"makes row {row} write slot {slot}, which row {others[0]} reads")
+    return _recurrence("gdn", "verify", q, k, v, state, state_indices, query_start_loc, records, None,
+                       dict(a=a, b=b, A_log=A_log, dt_bias=dt_bias, g=g, beta=beta), scale, use_qk_l2norm,
+                       null_slot, out, backend, check)
 
 
 def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, state: torch.Tensor,
@@ -214,25 +181,11 @@ def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, state: torc
                scale: Optional[float] = None, use_qk_l2norm: bool = True, null_slot: int = -1,
                out: Optional[torch.Tensor] = None, backend: BackendArg = None,
                check: Optional[bool] = None) -> torch.Tensor:
-    """The native per-token path: run each row's tokens and write the final state back in place.
-
-    Same arguments and layouts as :func:`gdn_verify`, without records. Rows with a token must
-    have distinct slots.
-    """
-    c, dims, gates, scale, null_slot = _check_gdn("gdn_decode", q, k, v, state, state_indices,
-                                                  query_start_loc, a, b, A_log, dt_bias, g, beta,
-                                                  scale, null_slot, out)
-    if wants_value_checks(check, q.device):
-        c.slots_in_range("state_indices", state_indices, state.shape[0], null_slot)
-        qsl = c.query_start_loc("query_start_loc", query_start_loc, dims[0], None)
-        writes = [(r, s) for r, s in enumerate(state_indices.tolist())
-                  if s > null_slot and qsl[r + 1] > qsl[r]]
-        _written_slots_distinct(c, "state_indices", writes, [])
-    be = _resolve(backend, q.device)
-    out = _finish_out(out, v)
-    be.gdn_recurrent("decode", q, k, v, state, state_indices, query_start_loc, gates, scale,
-                     bool(use_qk_l2norm), null_slot, out, None, None)
-    return out
+    """The native per-token path: run each row's tokens and store its final state back into
+    its slot (a bf16 state rounded once, at that store). No two rows may write one slot."""
+    return _recurrence("gdn", "decode", q, k, v, state, state_indices, query_start_loc, None, None,
+                       dict(a=a, b=b, A_log=A_log, dt_bias=dt_bias, g=g, beta=beta), scale, use_qk_l2norm,
+                       null_slot, out, backend, check)
 
 
 def gdn_spec_decode_snapshot(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -246,32 +199,67 @@ def gdn_spec_decode_snapshot(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              null_slot: int = -1, out: Optional[torch.Tensor] = None,
                              backend: BackendArg = None,
                              check: Optional[bool] = None) -> torch.Tensor:
-    """The snapshot method (today's engine default, our baseline): verify from
+    """The snapshot method (engines' usual speculative path, the baseline): verify from
     ``state[state_indices[r]]`` and store the state after every position ``t`` of row ``r`` into
-    ``state[snapshot_slots[r, t]]`` (skipped where that entry ``<= null_slot``).
+    ``state[snapshot_slots[r, t]]`` (skipped where that entry is padding).
 
     ``snapshot_slots``: int32 ``[B, T_max]``; each row's length at most ``T_max``. A bf16 state is
     rounded once per stored position; the running state stays fp32.
     """
-    c, dims, gates, scale, null_slot = _check_gdn("gdn_spec_decode_snapshot", q, k, v, state,
-                                                  state_indices, query_start_loc, a, b, A_log,
-                                                  dt_bias, g, beta, scale, null_slot, out)
-    B = dims[5]
-    c.tensor("snapshot_slots", snapshot_slots, dims=2, dtypes=(torch.int32,), contiguous=True)
-    if snapshot_slots.shape[0] != B:
-        c.fail("snapshot_slots", f"has {snapshot_slots.shape[0]} rows, the batch has {B}")
-    if wants_value_checks(check, q.device):
-        num_slots = state.shape[0]
-        c.slots_in_range("state_indices", state_indices, num_slots, null_slot)
-        c.slots_in_range("snapshot_slots", snapshot_slots, num_slots, null_slot)
-        qsl = c.query_start_loc("query_start_loc", query_start_loc, dims[0], snapshot_slots.shape[1])
-        srcs = state_indices.tolist()
-        snaps = snapshot_slots.tolist()
-        live = [r for r in range(B) if srcs[r] > null_slot and qsl[r + 1] > qsl[r]]
-        writes = [(r, s) for r in live for s in snaps[r][:qsl[r + 1] - qsl[r]] if s > null_slot]
-        _written_slots_distinct(c, "snapshot_slots", writes, [(r, srcs[r]) for r in live])
-    be = _resolve(backend, q.device)
-    out = _finish_out(out, v)
-    be.gdn_recurrent("snapshot", q, k, v, state, state_indices, query_start_loc, gates, scale,
-                     bool(use_qk_l2norm), null_slot, out, None, snapshot_slots)
-    return out
+    return _recurrence("gdn", "snapshot", q, k, v, state, state_indices, query_start_loc, None, snapshot_slots,
+                       dict(a=a, b=b, A_log=A_log, dt_bias=dt_bias, g=g, beta=beta), scale, use_qk_l2norm,
+                       null_slot, out, backend, check)
+
+
+def kda_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, state: torch.Tensor,
+               state_indices: torch.Tensor, query_start_loc: torch.Tensor, records: ReplayRecords,
+               a: Optional[torch.Tensor] = None, b: Optional[torch.Tensor] = None,
+               A_log: Optional[torch.Tensor] = None, dt_bias: Optional[torch.Tensor] = None,
+               g: Optional[torch.Tensor] = None, beta: Optional[torch.Tensor] = None,
+               lower_bound: Optional[float] = None, scale: Optional[float] = None,
+               use_qk_l2norm: bool = True, null_slot: int = -1, out: Optional[torch.Tensor] = None,
+               backend: BackendArg = None, check: Optional[bool] = None) -> torch.Tensor:
+    """KDA (Kimi Delta Attention) verify: :func:`gdn_verify` with a decay per K channel.
+
+    ``records`` must be allocated with ``vector_decay=True`` (decay ``[max_batch, HV,
+    max_window, K]``); the commit replays them like GDN's."""
+    return _recurrence("kda", "verify", q, k, v, state, state_indices, query_start_loc, records, None,
+                       dict(a=a, b=b, A_log=A_log, dt_bias=dt_bias, g=g, beta=beta, lower_bound=lower_bound),
+                       scale, use_qk_l2norm, null_slot, out, backend, check)
+
+
+def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, state: torch.Tensor,
+               state_indices: torch.Tensor, query_start_loc: torch.Tensor,
+               a: Optional[torch.Tensor] = None, b: Optional[torch.Tensor] = None,
+               A_log: Optional[torch.Tensor] = None, dt_bias: Optional[torch.Tensor] = None,
+               g: Optional[torch.Tensor] = None, beta: Optional[torch.Tensor] = None,
+               lower_bound: Optional[float] = None, scale: Optional[float] = None,
+               use_qk_l2norm: bool = True, null_slot: int = -1, out: Optional[torch.Tensor] = None,
+               backend: BackendArg = None, check: Optional[bool] = None) -> torch.Tensor:
+    """KDA's native per-token path (:func:`gdn_decode` with a decay per K channel)."""
+    return _recurrence("kda", "decode", q, k, v, state, state_indices, query_start_loc, None, None,
+                       dict(a=a, b=b, A_log=A_log, dt_bias=dt_bias, g=g, beta=beta, lower_bound=lower_bound),
+                       scale, use_qk_l2norm, null_slot, out, backend, check)
+
+
+def kda_spec_decode_snapshot(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                             state: torch.Tensor, state_indices: torch.Tensor,
+                             query_start_loc: torch.Tensor, snapshot_slots: torch.Tensor,
+                             a: Optional[torch.Tensor] = None, b: Optional[torch.Tensor] = None,
+                             A_log: Optional[torch.Tensor] = None,
+                             dt_bias: Optional[torch.Tensor] = None,
+                             g: Optional[torch.Tensor] = None, beta: Optional[torch.Tensor] = None,
+                             lower_bound: Optional[float] = None, scale: Optional[float] = None,
+                             use_qk_l2norm: bool = True, null_slot: int = -1,
+                             out: Optional[torch.Tensor] = None, backend: BackendArg = None,
+                             check: Optional[bool] = None) -> torch.Tensor:
+    """KDA's snapshot method (:func:`gdn_spec_decode_snapshot` with a decay per K channel)."""
+    return _recurrence("kda", "snapshot", q, k, v, state, state_indices, query_start_loc, None, snapshot_slots,
+                       dict(a=a, b=b, A_log=A_log, dt_bias=dt_bias, g=g, beta=beta, lower_bound=lower_bound),
+                       scale, use_qk_l2norm, null_slot, out, backend, check)
+
+
+for _f in (gdn_verify, gdn_decode, gdn_spec_decode_snapshot):
+    _f.__doc__ += _RECURRENCE_DOC + _GATE_DOC
+for _f in (kda_verify, kda_decode, kda_spec_decode_snapshot):
+    _f.__doc__ += _RECURRENCE_DOC + _KDA_GATE_DOC

@@ -1,8 +1,8 @@
 """The backend interface: what a backend declares and the kernel-facing functions it implements.
 
 The kernel-facing functions take tensors and scalars only, mutate only the tensors they name and
-allocate nothing: the public API (``recoverssm.core.api``) validates, allocates outputs, picks the
-backend and calls these. That keeps each op ready to be wrapped as a ``torch.library`` custom op.
+allocate nothing. The ``torch.library`` ops (``core/ops.py``) validate their arguments
+(``core/arguments.py``), pick the backend (``core/registry.py``) and call these.
 """
 from __future__ import annotations
 
@@ -22,18 +22,26 @@ class Backend(ABC):
     ``name``: unique registry name (``"cpu_ref"``, ``"cuda"``, ``"xpu"``, ...).
     ``device_types``: the ``torch.device.type`` values it serves.
     ``pointer_encoding``: a :class:`~recoverssm.core.pointers.PointerEncoding` for device pointer tables.
-    ``capabilities``: a frozenset of feature names (see ``CAPABILITIES``).
+    ``capabilities``: a frozenset of the names in ``CAPABILITIES`` it implements; the ops and
+    :class:`~recoverssm.CommitContext` refuse work a backend does not declare.
+    ``environment``: names of environment variables whose value can change :meth:`is_available`
+    or :meth:`serves` (the registry resolves again when one of them changes).
     """
 
     name: str = ""
     device_types: tuple[str, ...] = ()
     pointer_encoding: PointerEncoding = PointerEncoding.INT64
     capabilities: frozenset[str] = frozenset()
+    environment: tuple[str, ...] = ()
 
-    #: What a backend may claim. Ops outside this list are not part of the contract yet.
+    #: What a backend may declare, and what each name promises:
+    #: ``conv_verify``, ``conv_decode``: the conv ops; ``gdn``: the GDN recurrence (verify,
+    #: decode, snapshot); ``kda``: the KDA recurrence (vector decay); ``plan_commit``: the plan
+    #: op; ``commit``: the grouped commit of scalar-decay records; ``vector_decay``: the commit of
+    #: KDA's vector-decay records; ``bf16_state``: bf16 state pools.
     CAPABILITIES = frozenset({
-        "conv_verify", "gdn_verify", "gdn_decode", "gdn_spec_decode_snapshot",
-        "plan_commit", "commit", "grouped_commit", "bf16_state", "vector_decay",
+        "conv_verify", "conv_decode", "gdn", "kda", "plan_commit", "commit", "vector_decay",
+        "bf16_state",
     })
 
     # ---- availability -------------------------------------------------------------------------
@@ -49,6 +57,10 @@ class Backend(ABC):
         """True when this backend can run on tensors of ``device_type``."""
         return device_type in self.device_types
 
+    def kernels(self) -> dict[str, str]:
+        """Which kernel family runs each op on this backend, and why (``recoverssm info``)."""
+        return {}
+
     # ---- kernel-facing ops (tensors and scalars in, named tensors mutated) ---------------------
     @abstractmethod
     def conv_verify(self, x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
@@ -59,13 +71,20 @@ class Backend(ABC):
         ``conv_state`` (``[history, history + len)``), never the history columns."""
 
     @abstractmethod
-    def gdn_recurrent(self, mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      state: torch.Tensor, state_indices: torch.Tensor,
-                      query_start_loc: torch.Tensor, gates: "GateInputs", scale: float,
-                      use_qk_l2norm: bool, null_slot: int, out: torch.Tensor,
-                      records: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-                      snapshot_slots: Optional[torch.Tensor]) -> None:
-        """The GDN recurrence over each row's window, in one of three modes:
+    def conv_decode(self, x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+                    bias: Optional[torch.Tensor], state_indices: torch.Tensor, silu: bool,
+                    null_slot: int, out: torch.Tensor) -> None:
+        """One token per row: writes ``out`` and shifts the history columns ``[0, history)`` of
+        the row's slot by one token, the new token last."""
+
+    @abstractmethod
+    def recurrence(self, mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   state: torch.Tensor, state_indices: torch.Tensor,
+                   query_start_loc: torch.Tensor, gates: "GateInputs", scale: float,
+                   use_qk_l2norm: bool, null_slot: int, out: torch.Tensor,
+                   records: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                   snapshot_slots: Optional[torch.Tensor]) -> None:
+        """The GDN or KDA recurrence (``gates.kind``) over each row's window, in one of three modes:
 
         ``"verify"``: read the checkpoint, write ``out`` and ``records``; never write ``state``.
         ``"decode"``: write ``out`` and the final state back into the row's slot.
@@ -78,34 +97,48 @@ class Backend(ABC):
                     block_table: Optional[torch.Tensor], num_computed_tokens: Optional[torch.Tensor],
                     block_size: int, null_slot: int, num_slots: int,
                     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
-        """Fill ``out = (commit_len, final_slot, boundary_slot, boundary_len)`` (contract section 4)."""
+        """Fill ``out = (commit_len, final_slot, boundary_slot, boundary_len)`` (``core/plan.py``)."""
 
     @abstractmethod
     def make_committer(self, layers: "Sequence[CommitLayer]", num_groups: int, max_batch: int,
                        null_slot: int) -> "Committer":
-        """Build whatever the backend needs once per :class:`~recoverssm.CommitContext`
-        (for GPU backends, the device tables of per-layer pointers and strides)."""
+        """Build whatever the backend needs once per set of layers (for GPU backends, the device
+        tables of per-layer pointers and strides). ``layers`` are validated."""
 
     def describe(self) -> str:
         return f"{self.name} (devices: {', '.join(self.device_types)}; pointers: {self.pointer_encoding.value})"
 
 
 class GateInputs:
-    """The gate inputs of a GDN call: either raw (``a``, ``b``, ``A_log``, ``dt_bias``) or
-    precomputed (``g``, ``beta``). Exactly one form is set; tensors are ``[T_total, HV]`` and ``[HV]``."""
+    """The gate inputs of a recurrence call.
 
-    __slots__ = ("a", "b", "A_log", "dt_bias", "g", "beta")
+    ``kind``: ``"gdn"`` (a scalar decay per token and value head) or ``"kda"`` (a decay per K
+    channel). Either raw (``a``, ``b``, ``A_log``, ``dt_bias``) or precomputed (``g``, ``beta``):
+    exactly one form is set. GDN: ``a``, ``b``, ``g``, ``beta`` ``[T, HV]``; ``A_log``,
+    ``dt_bias`` ``[HV]``. KDA: ``a``, ``g`` ``[T, HV, K]``; ``b``, ``beta`` ``[T, HV]``;
+    ``A_log`` ``[HV]``; ``dt_bias`` ``[HV, K]``; ``lower_bound`` selects KDA's bounded gate.
+    """
 
-    def __init__(self, a=None, b=None, A_log=None, dt_bias=None, g=None, beta=None):
+    __slots__ = ("kind", "a", "b", "A_log", "dt_bias", "g", "beta", "lower_bound")
+
+    def __init__(self, a=None, b=None, A_log=None, dt_bias=None, g=None, beta=None, *,
+                 kind: str = "gdn", lower_bound: Optional[float] = None):
+        self.kind = kind
         self.a, self.b, self.A_log, self.dt_bias, self.g, self.beta = a, b, A_log, dt_bias, g, beta
+        self.lower_bound = lower_bound
 
     @property
     def precomputed(self) -> bool:
         return self.g is not None
 
+    @property
+    def vector_decay(self) -> bool:
+        return self.kind == "kda"
+
 
 class CommitLayer:
-    """One layer as a committer sees it: its tensors and the KV-cache group it belongs to."""
+    """One layer as a committer sees it: its tensors and the KV-cache group it belongs to.
+    ``conv_history``: the conv state's history columns (conv width - 1), 0 without a conv state."""
 
     __slots__ = ("group", "state", "correction", "key", "decay", "conv_state", "conv_history")
 
@@ -117,6 +150,10 @@ class CommitLayer:
         self.decay = decay
         self.conv_state = conv_state
         self.conv_history = conv_history
+
+    @property
+    def vector_decay(self) -> bool:
+        return self.decay.dim() == 4
 
 
 class GroupStep:

@@ -1,103 +1,27 @@
-"""The commit side of the public API: ``plan_commit`` and ``CommitContext`` (contract sections 4, 5).
+"""The commit side of the public API: ``plan_commit``, ``CommitContext`` and the commit op's body.
 
-``CommitContext`` is a thin holder: it validates the layers once, asks the backend for a committer
-(GPU backends build their device pointer tables there) and, per call, validates the step's small
-metadata and hands it over.
+``CommitContext`` is a thin holder: it validates its layers once, asks the backend for a
+committer (GPU backends build their device pointer tables there) and, per call, hands the step's
+small metadata to ``torch.ops.recoverssm.commit``, whose implementation (:func:`run_commit_op`)
+checks the step and runs the committer.
 """
 from __future__ import annotations
 
+import itertools
+import weakref
 from typing import Optional, Sequence, Union
 
 import torch
 
-from .api import BackendArg, _first_tensor, _resolve, _written_slots_distinct
-from .backend import CommitLayer, GroupStep
-from .plan import NO_SLOT_LIMIT, plan_rows
+from .api import BackendArg, check_types
+from .arguments import LayerTensors, check_layers, check_step_shapes, check_step_values, layer_names
+from .backend import CommitLayer, Committer, GroupStep
+from .ops import backend_for, op, resolve_name
+from .registry import registry
 from .types import CommitPlan, LayerCache, ReplayRecords
-from .validation import FLOAT_DTYPES, STATE_DTYPES, Checker, wants_value_checks
+from .validation import Checker, wants_value_checks
 
 PerGroup = Union[object, Sequence[object]]
-
-
-def _check_step_shapes(c: Checker, num_accepted, state_indices, query_start_loc, request_indices,
-                       block_table, num_computed_tokens, block_size, suffix: str = "",
-                       checked: Optional[set] = None):
-    """Shape/dtype checks of one group's step metadata. Returns ``(B, block_size)``.
-
-    ``checked``: ids of tensors this call has already passed through the same checks (groups
-    usually share ``num_accepted``, ``query_start_loc`` and often their index tensors); they are
-    skipped, and the ids of the tensors checked here are added."""
-    checked = set() if checked is None else checked
-
-    def first_time(x) -> bool:
-        new = id(x) not in checked
-        checked.add(id(x))
-        return new
-
-    if first_time(num_accepted):
-        c.index("num_accepted", num_accepted)
-    num_requests = num_accepted.shape[0]
-    if first_time(state_indices):
-        c.index("state_indices" + suffix, state_indices)
-    B = state_indices.shape[0]
-    c.index("query_start_loc", query_start_loc, B + 1)
-    if request_indices is not None:
-        c.index("request_indices" + suffix, request_indices, B)
-    elif num_requests < B:
-        c.fail("num_accepted", f"has {num_requests} requests for a batch of {B} rows; "
-                               "pass request_indices when the batch rows are not the requests")
-    if (block_table is None) != (num_computed_tokens is None):
-        c.fail("num_computed_tokens" + suffix if block_table is not None else "block_table" + suffix,
-               "is required in align mode: pass block_table and num_computed_tokens together")
-    if block_table is not None:
-        if first_time(block_table):
-            c.tensor("block_table" + suffix, block_table, dims=2, dtypes=(torch.int32,), last_contiguous=True)
-        if block_table.shape[0] != num_requests:
-            c.fail("block_table" + suffix, f"has {block_table.shape[0]} rows, num_accepted has {num_requests} requests")
-        if block_table.shape[1] < 1:
-            c.fail("block_table" + suffix, "has no columns")
-        if first_time(num_computed_tokens):
-            c.index("num_computed_tokens" + suffix, num_computed_tokens, num_requests)
-        if block_size is None:
-            c.fail("block_size" + suffix, "is required in align mode")
-        block_size = c.integer("block_size" + suffix, block_size, minimum=1)
-    return B, block_size
-
-
-def _check_step_values(c: Checker, num_accepted, state_indices, query_start_loc, request_indices,
-                       block_table, num_computed_tokens, block_size, null_slot, num_slots,
-                       num_tokens_max, max_len, suffix: str = ""):
-    """Host-side value checks; the written slots of one group must not collide or be another
-    row's source (that would race on a GPU)."""
-    num_requests = num_accepted.shape[0]
-    qsl = c.query_start_loc("query_start_loc", query_start_loc, num_tokens_max, max_len)
-    c.slots_in_range("state_indices" + suffix, state_indices, num_slots, null_slot)
-    req = None
-    if request_indices is not None:
-        req = request_indices.tolist()
-        for r, q in enumerate(req):
-            if not 0 <= q < num_requests:
-                c.fail("request_indices" + suffix, f"entry {r} = {q} is not a request row in [0, {num_requests})")
-    nct = None
-    if num_computed_tokens is not None:
-        nct = num_computed_tokens.tolist()
-        for q, n in enumerate(nct):
-            if n < 0:
-                c.fail("num_computed_tokens" + suffix, f"entry {q} = {n} is negative")
-    srcs = state_indices.tolist()
-    plan = plan_rows(num_accepted.tolist(), srcs, qsl, req,
-                     None if block_table is None else block_table.tolist(), nct,
-                     block_size or 1, null_slot, NO_SLOT_LIMIT)
-    writes = []
-    for r, (n, final, boundary, _) in enumerate(plan):
-        for what, slot in (("final", final), ("boundary", boundary)):
-            if slot > null_slot:
-                if slot >= num_slots:
-                    c.fail("block_table" + suffix, f"gives row {r} the {what} slot {slot}, outside [0, {num_slots})")
-                writes.append((r, slot))
-    live_sources = [(r, srcs[r]) for r, p in enumerate(plan) if p[0] > 0]
-    _written_slots_distinct(c, "block_table" + suffix if block_table is not None else "state_indices" + suffix,
-                            writes, live_sources)
 
 
 def plan_commit(num_accepted: torch.Tensor, state_indices: torch.Tensor,
@@ -107,32 +31,30 @@ def plan_commit(num_accepted: torch.Tensor, state_indices: torch.Tensor,
                 block_size: Optional[int] = None, null_slot: int = -1,
                 num_slots: Optional[int] = None, backend: BackendArg = None,
                 check: Optional[bool] = None) -> CommitPlan:
-    """The commit plan of each batch row (contract section 4), as int32 ``[B]`` tensors.
+    """The commit plan of each batch row, as int32 ``[B]`` tensors (see :class:`CommitPlan`).
 
-    ``num_accepted``: int32 ``[num_requests]``; ``state_indices``: int32 ``[B]``;
-    ``query_start_loc``: int32 ``[B + 1]``; ``request_indices``: int32 ``[B]`` (batch row ->
-    request row). Align mode: ``block_table`` int32 ``[num_requests, width]``,
-    ``num_computed_tokens`` int32 ``[num_requests]`` and ``block_size``. ``num_slots`` (optional):
-    slots at or past it are treated as null. :meth:`CommitContext.commit` computes the same plan
-    inside its kernel; this op is for engines that want to see or reuse it.
+    ``num_accepted``: int32 ``[num_requests]`` (accepted drafts + 1); ``state_indices``: int32
+    ``[B]``; ``query_start_loc``: int32 ``[B + 1]``; ``request_indices``: int32 ``[B]`` (batch row
+    -> request row; default: row ``r`` is request ``r``). Align mode (prefix caching):
+    ``block_table`` int32 ``[num_requests, width]``, ``num_computed_tokens`` int32
+    ``[num_requests]`` and ``block_size``. ``num_slots`` (optional): slots at or past it are
+    treated as padding. Per row ``r`` of request ``q``::
+
+        n = clamp(num_accepted[q], 0, len_r)          (0 for padding rows: nothing written)
+        final = state_indices[r]                       (non-align mode)
+        final = block_table[q, min((nc + n - 1) // bs, width - 1)]      (align; nc = num_computed_tokens[q])
+        boundary = block_table[q, nc // bs] if nc + n reaches the next block boundary and that block
+                   is not the final one; boundary_len = (nc // bs + 1) * bs - nc tokens
+
+    :meth:`CommitContext.commit` computes the same plan inside its kernel; this op is for engines
+    that want to see or reuse it.
     """
-    op = "plan_commit"
-    c = Checker(op, _first_tensor(op, "num_accepted", num_accepted).device)
-    B, block_size = _check_step_shapes(c, num_accepted, state_indices, query_start_loc,
-                                       request_indices, block_table, num_computed_tokens, block_size)
-    null_slot = c.integer("null_slot", null_slot)
-    slot_limit = NO_SLOT_LIMIT if num_slots is None else c.integer("num_slots", num_slots, minimum=0)
-    if wants_value_checks(check, num_accepted.device):
-        _check_step_values(c, num_accepted, state_indices, query_start_loc, request_indices,
-                           block_table, num_computed_tokens, block_size, null_slot, slot_limit,
-                           NO_SLOT_LIMIT, None)
-    be = _resolve(backend, num_accepted.device)
-    kw = dict(dtype=torch.int32, device=num_accepted.device)
-    plan = CommitPlan(*(torch.empty(B, **kw) for _ in range(4)), null_slot=null_slot)
-    be.plan_commit(num_accepted, state_indices, query_start_loc, request_indices, block_table,
-                   num_computed_tokens, block_size or 1, null_slot, slot_limit,
-                   (plan.commit_len, plan.final_slot, plan.boundary_slot, plan.boundary_len))
-    return plan
+    check_types("plan_commit", num_accepted=num_accepted, state_indices=state_indices,
+                query_start_loc=query_start_loc, request_indices=request_indices, block_table=block_table,
+                num_computed_tokens=num_computed_tokens)
+    outputs = op("plan_commit")(num_accepted, state_indices, query_start_loc, request_indices, block_table,
+                                num_computed_tokens, block_size, null_slot, num_slots, resolve_name(backend), check)
+    return CommitPlan(*outputs, null_slot=null_slot)
 
 
 _TENSOR_ARGUMENT = object()   # marks where a step's argument is a tensor
@@ -165,8 +87,8 @@ class _StepSignature:
     arguments (``_split_step``). A step that matches the last checked one would pass the same
     checks and needs the same launch; only the tensors' values may differ.
 
-    ``matches`` compares field by field and stops at the first difference: on the H200 machines'
-    CPUs the metadata reads are about half of a repeated commit's host time (docs/BENCHMARKS.md)."""
+    ``matches`` compares field by field and stops at the first difference: these metadata reads
+    are about half of a repeated commit's host time."""
 
     __slots__ = ("tensors", "metadata", "rest")
 
@@ -193,75 +115,68 @@ def _per_group(name: str, value, num_groups: int) -> list:
     return [value] * num_groups
 
 
+_CONTEXTS: "weakref.WeakValueDictionary[int, CommitContext]" = weakref.WeakValueDictionary()
+_CONTEXT_IDS = itertools.count(1)
+
+
 class CommitContext:
-    """Commits every layer of every KV-cache group in one call.
+    """Commits every layer of every KV-cache group in one call (one kernel launch on a GPU).
 
     ``groups``: a list of KV-cache groups, each a list of :class:`LayerCache`. Layers of one group
     share the step's slot indices (and, in align mode, block table); groups may differ. All
-    layers share one device. ``max_batch``: the most batch rows a commit will carry.
+    layers share one device, and no two layers may share memory (each layer's state, conv state
+    and records are its own). ``max_batch``: the most batch rows a commit will carry
+    (``records.max_batch`` of every layer must be at least that). ``null_slot``: the padding
+    marker of the index tensors.
+
+    The context keeps pointers to every layer's tensors (GPU backends upload them once, into a
+    device table): reallocating a state pool, a conv state or a records workspace means building a
+    new context. Under CUDA graphs: build the context and run one eager :meth:`commit` with the
+    very index tensors the graph will use before capturing (that uploads the per-group table),
+    then capture; replays may change the values in those index tensors (slots, accepted counts,
+    padding rows), never the tensors themselves.
     """
 
     def __init__(self, groups: Sequence[Sequence[LayerCache]], *, max_batch: int,
                  backend: BackendArg = None, null_slot: int = -1):
-        op = "CommitContext"
+        name = "CommitContext"
         if not isinstance(groups, (list, tuple)) or not groups:
-            raise ValueError(f"{op}: groups must be a non-empty list of lists of LayerCache")
-        first = None
+            raise ValueError(f"{name}: groups must be a non-empty list of lists of LayerCache")
+        layers: list[LayerTensors] = []
         for gi, group in enumerate(groups):
             if not isinstance(group, (list, tuple)) or not group:
-                raise ValueError(f"{op}: groups[{gi}] must be a non-empty list of LayerCache")
+                raise ValueError(f"{name}: groups[{gi}] must be a non-empty list of LayerCache")
             for li, layer in enumerate(group):
-                if not isinstance(layer, LayerCache):
-                    raise TypeError(f"{op}: groups[{gi}][{li}] must be a LayerCache, got {type(layer).__name__}")
-                if first is None:
-                    first = layer
-        c = Checker(op, first.state.device if isinstance(first.state, torch.Tensor) else torch.device("cpu"))
+                layers.append(_layer_tensors(name, f"groups[{gi}][{li}]", gi, layer))
+        device = layers[0].state.device
+        c = Checker(name, device)
         self.max_batch = c.integer("max_batch", max_batch, minimum=1)
-        self.null_slot = c.integer("null_slot", null_slot)
-        layers = []
-        for gi, group in enumerate(groups):
-            for li, layer in enumerate(group):
-                layers.append(self._check_layer(c, f"groups[{gi}][{li}]", gi, layer))
+        self.null_slot = c.null_slot(null_slot)
+        self.backend = backend_for("commit", resolve_name(backend), device)
+        check_layers(c, layers, self.max_batch, self.backend.capabilities, self.backend.name)
         self.groups = [list(g) for g in groups]
-        self.device = c.device
-        self.backend = _resolve(backend, self.device)
+        self.device = device
         self.layers = layers
-        self.max_window = min(l.records.max_window for g in self.groups for l in g)
-        self._committer = self.backend.make_committer(layers, len(groups), self.max_batch, self.null_slot)
+        self.committer: Committer = self.backend.make_committer(
+            [_commit_layer(layer) for layer in layers], len(groups), self.max_batch, self.null_slot)
+        self.id = next(_CONTEXT_IDS)
+        _CONTEXTS[self.id] = self
+        conv = [layer for layer in layers if layer.conv_state is not None]
+        self._layer_args = ([layer.state for layer in layers], [layer.conv_state for layer in conv],
+                            [layer.correction for layer in layers], [layer.key for layer in layers],
+                            [layer.decay for layer in layers], [layer.group for layer in layers],
+                            [layer.conv_width for layer in layers])
         self._last_signature: Optional[_StepSignature] = None
         self._last_steps: list = []
-
-    def _check_layer(self, c: Checker, where: str, gi: int, layer: LayerCache) -> CommitLayer:
-        rec = layer.records
-        if not isinstance(rec, ReplayRecords):
-            c.fail(f"{where}.records", f"must be a ReplayRecords, got {type(rec).__name__}", TypeError)
-        for name in ("correction", "key", "decay"):  # ranks first: the shapes below index them
-            c.tensor(f"{where}.records.{name}", getattr(rec, name), dims=None if name == "decay" else 4)
-        mb, H, T, K = rec.key.shape
-        HV, V = rec.correction.shape[1], rec.correction.shape[3]
-        c.tensor(f"{where}.state", layer.state, dtypes=STATE_DTYPES, shape=(None, HV, V, K), last_contiguous=True)
-        c.tensor(f"{where}.records.correction", rec.correction, dtypes=(torch.float32,), shape=(mb, HV, T, V), contiguous=True)
-        c.tensor(f"{where}.records.key", rec.key, dtypes=(torch.float32,), shape=(mb, H, T, K), contiguous=True)
-        decay_shape = (mb, HV, T, K) if rec.vector_decay else (mb, HV, T)
-        c.tensor(f"{where}.records.decay", rec.decay, dtypes=(torch.float32,), shape=decay_shape, contiguous=True)
-        if HV % H:
-            c.fail(f"{where}.records", f"have {HV} value heads, not a multiple of {H} key heads")
-        if mb < self.max_batch:
-            c.fail(f"{where}.records", f"have room for {mb} rows, max_batch is {self.max_batch}")
-        history = 0
-        if layer.conv_state is not None:
-            c.tensor(f"{where}.conv_state", layer.conv_state, dims=3, dtypes=FLOAT_DTYPES)
-            if layer.conv_state.shape[0] != layer.state.shape[0]:
-                c.fail(f"{where}.conv_state", f"has {layer.conv_state.shape[0]} slots, the state has {layer.state.shape[0]}")
-            history = layer.conv_history
-            if history < 0:
-                c.fail(f"{where}.conv_state", f"has {layer.conv_state.shape[2]} columns, fewer than the "
-                                              f"records' window of {T}")
-        return CommitLayer(gi, layer.state, rec.correction, rec.key, rec.decay, layer.conv_state, history)
 
     @property
     def num_groups(self) -> int:
         return len(self.groups)
+
+    @property
+    def max_window(self) -> int:
+        """The shortest records window of any layer: the longest row a commit accepts."""
+        return min(layer.correction.shape[2] for layer in self.layers)
 
     def commit(self, num_accepted: torch.Tensor, state_indices: PerGroup,
                query_start_loc: torch.Tensor, *, request_indices: PerGroup = None,
@@ -269,47 +184,153 @@ class CommitContext:
                block_size: PerGroup = None, check: Optional[bool] = None) -> None:
         """Replay each row's accepted tokens into every layer and write each state once.
 
-        ``num_accepted``: int32 ``[num_requests]`` (accepted drafts + 1); ``query_start_loc``:
-        int32 ``[B + 1]``, the same as in verify. ``state_indices``, ``request_indices``,
-        ``block_table``, ``num_computed_tokens`` and ``block_size`` are either one value for all
-        groups or a list with one entry per group. Conv states of layers that have one are
-        compacted. No host sync on GPU tensors unless ``check`` (or ``RECOVERSSM_CHECK=1``).
+        ``num_accepted``: int32 ``[num_requests]`` (accepted drafts + 1, at most the row's window
+        length); ``query_start_loc``: int32 ``[B + 1]``, the same as in verify.
+        ``state_indices``, ``request_indices``, ``block_table``, ``num_computed_tokens`` and
+        ``block_size`` are either one value for all groups or a list with one entry per group (see
+        :func:`plan_commit` for what they mean). Conv states of layers that have one are
+        compacted: the ``history`` inputs ending at the last accepted token move to the front.
+        No host sync on GPU tensors unless ``check`` (or ``RECOVERSSM_CHECK=1``).
+
+        An eager call whose every argument is the very tensor of the previous call, unchanged in
+        address, dtype, shape and strides, skips the checks (they would pass again) and repeats
+        the previous launch; any other call goes through ``torch.ops.recoverssm.commit``.
         """
-        values = wants_value_checks(check, self.device)
         step = (num_accepted, state_indices, query_start_loc, request_indices, block_table,
                 num_computed_tokens, block_size)
-        if not values:
-            # Engines pass the same persistent index buffers every step (they must, under CUDA
-            # graphs): when every argument is the very tensor, with the same metadata, that
-            # passed the checks last time, the checks would pass again; skip them.
+        compiling = torch.compiler.is_compiling()
+        if not compiling and not wants_value_checks(check, self.device):
             last = self._last_signature
             if last is not None and last.matches(step):
-                self._committer.commit_again(num_accepted, query_start_loc, self._last_steps)
+                self.committer.commit_again(num_accepted, query_start_loc, self._last_steps)
                 return
-        c = Checker("CommitContext.commit", self.device)
         G = self.num_groups
-        per = {name: _per_group(name, val, G) for name, val in (
-            ("state_indices", state_indices), ("request_indices", request_indices),
-            ("block_table", block_table), ("num_computed_tokens", num_computed_tokens),
-            ("block_size", block_size))}
-        steps = []
-        checked: set = set()
-        for gi in range(G):
-            suffix = f"[{gi}]" if G > 1 else ""
-            args = [per[n][gi] for n in ("state_indices", "request_indices", "block_table",
-                                          "num_computed_tokens", "block_size")]
-            B, bs = _check_step_shapes(c, num_accepted, args[0], query_start_loc, *args[1:], suffix=suffix,
-                                       checked=checked)
-            if B > self.max_batch:
-                c.fail("state_indices" + suffix, f"has {B} rows, more than max_batch = {self.max_batch}")
-            if gi and B != steps[0].state_indices.shape[0]:
-                c.fail("state_indices" + suffix, f"has {B} rows, group 0 has {steps[0].state_indices.shape[0]}")
-            if values:
-                for num_slots in sorted({l.state.shape[0] for l in self.groups[gi]}):
-                    _check_step_values(c, num_accepted, args[0], query_start_loc, args[1], args[2],
-                                       args[3], bs, self.null_slot, num_slots, NO_SLOT_LIMIT,
-                                       self.max_window, suffix)
-            steps.append(GroupStep(args[0], args[1], args[2], args[3], bs))
-        self._committer.commit(num_accepted, query_start_loc, steps)
-        self._last_signature = None if values else _StepSignature(step)
-        self._last_steps = steps
+        per = [_per_group(n, v, G) for n, v in (("state_indices", state_indices), ("request_indices", request_indices),
+                                                 ("block_table", block_table),
+                                                 ("num_computed_tokens", num_computed_tokens),
+                                                 ("block_size", block_size))]
+        check_types("CommitContext.commit", num_accepted=num_accepted, query_start_loc=query_start_loc,
+                    **{f"{n}[{g}]": t for n, values in zip(("state_indices", "request_indices", "block_table",
+                                                           "num_computed_tokens"), per) for g, t in enumerate(values)})
+        block_sizes = [0 if bs is None else bs for bs in per[4]]
+        op("commit")(*self._layer_args, num_accepted, query_start_loc, *per[:4], block_sizes, self.null_slot,
+                     self.max_batch, self.id, self.backend.name, check)
+        if not compiling:
+            values = wants_value_checks(check, self.device)
+            self._last_signature = None if values else _StepSignature(step)
+
+    def owns(self, states: Sequence[torch.Tensor], conv_states: Sequence[torch.Tensor],
+             corrections: Sequence[torch.Tensor], keys: Sequence[torch.Tensor],
+             decays: Sequence[torch.Tensor]) -> bool:
+        """True when these are this context's very tensors (its committer's tables point at them)."""
+        mine = self._layer_args
+        lists = (states, conv_states, corrections, keys, decays)
+        return all(len(a) == len(b) and all(x is y for x, y in zip(a, b)) for a, b in zip(lists, mine[:5]))
+
+
+def _layer_tensors(name: str, where: str, group: int, layer) -> LayerTensors:
+    if not isinstance(layer, LayerCache):
+        raise TypeError(f"{name}: {where} must be a LayerCache, got {type(layer).__name__}")
+    rec = layer.records
+    if not isinstance(rec, ReplayRecords):
+        raise TypeError(f"{name}: {where}.records must be a ReplayRecords, got {type(rec).__name__}")
+    check_types(name, **{f"{where}.state": layer.state, f"{where}.conv_state": layer.conv_state,
+                         f"{where}.records.correction": rec.correction, f"{where}.records.key": rec.key,
+                         f"{where}.records.decay": rec.decay})
+    if not isinstance(layer.state, torch.Tensor):
+        raise TypeError(f"{name}: {where}.state must be a torch.Tensor, got {type(layer.state).__name__}")
+    width = layer.conv_width if layer.conv_width is not None else 0
+    return LayerTensors(layer.state, rec.correction, rec.key, rec.decay, layer.conv_state, width, group)
+
+
+def _commit_layer(layer: LayerTensors) -> CommitLayer:
+    history = layer.conv_width - 1 if layer.conv_state is not None else 0
+    return CommitLayer(layer.group, layer.state, layer.correction, layer.key, layer.decay, layer.conv_state,
+                       history)
+
+
+# ------------------------------------------------------------------------------------------------
+# the body of torch.ops.recoverssm.commit
+# ------------------------------------------------------------------------------------------------
+def run_commit_op(states, conv_states, corrections, keys, decays, groups, conv_widths, num_accepted,
+                  query_start_loc, state_indices, request_indices, block_tables, num_computed_tokens,
+                  block_sizes, null_slot, max_batch, context, backend, check) -> None:
+    """Check one commit step and run it. The layers are those of :class:`CommitContext` ``context``
+    when these are its very tensors; otherwise (a direct call of the op, or a compiled graph that
+    passes copies) they are checked here and a committer is built for them for this call."""
+    name = "CommitContext.commit"
+    ctx = _CONTEXTS.get(context)
+    if ctx is not None and ctx.owns(states, conv_states, corrections, keys, decays) and ctx.null_slot == null_slot:
+        committer, layers, device = ctx.committer, ctx.layers, ctx.device
+    else:
+        committer, layers, device = _committer_for(states, conv_states, corrections, keys, decays, groups,
+                                                   conv_widths, max_batch, null_slot, backend)
+    c = Checker(name, device)
+    steps = _check_step(c, layers, num_accepted, query_start_loc, state_indices, request_indices,
+                        block_tables, num_computed_tokens, block_sizes, null_slot, max_batch, check)
+    committer.commit(num_accepted, query_start_loc, steps)
+    if ctx is not None:
+        ctx._last_steps = steps       # what a repeat of this very step hands to commit_again
+
+
+def _check_step(c: Checker, layers, num_accepted, query_start_loc, state_indices, request_indices,
+                block_tables, num_computed_tokens, block_sizes, null_slot, max_batch, check) -> list[GroupStep]:
+    G = len(state_indices)
+    if any(not 0 <= layer.group < G for layer in layers):
+        c.fail("state_indices", f"has {G} entries, fewer than the layers' groups")
+    lists = (("state_indices", state_indices), ("request_indices", request_indices),
+             ("block_table", block_tables), ("num_computed_tokens", num_computed_tokens), ("block_size", block_sizes))
+    for n, values in lists:
+        if len(values) != G:
+            c.fail(n, f"has {len(values)} entries for {G} groups")
+    values_checked = wants_value_checks(check, c.device)
+    steps, checked = [], set()
+    for gi in range(G):
+        suffix = f"[{gi}]" if G > 1 else ""
+        bt = block_tables[gi]
+        bs = block_sizes[gi] if bt is not None else None
+        B, bs = check_step_shapes(c, num_accepted, state_indices[gi], query_start_loc, request_indices[gi], bt,
+                                  num_computed_tokens[gi], bs, suffix=suffix, checked=checked)
+        if B > max_batch:
+            c.fail("state_indices" + suffix, f"has {B} rows, more than max_batch = {max_batch}")
+        if gi and B != steps[0].state_indices.shape[0]:
+            c.fail("state_indices" + suffix, f"has {B} rows, group 0 has {steps[0].state_indices.shape[0]}")
+        if values_checked:
+            members = [layer for layer in layers if layer.group == gi]
+            window = min(layer.correction.shape[2] for layer in members)
+            for num_slots in sorted({layer.state.shape[0] for layer in members}):
+                check_step_values(c, num_accepted, state_indices[gi], query_start_loc, request_indices[gi], bt,
+                                  num_computed_tokens[gi], bs, null_slot, num_slots, window, suffix)
+        steps.append(GroupStep(state_indices[gi], request_indices[gi], bt, num_computed_tokens[gi], bs))
+    # The index tensors are read while the states are written: no state may hold them.
+    index_tensors = [(n + (f"[{g}]" if G > 1 else ""), t) for n, values in lists[:4] for g, t in enumerate(values)]
+    c.writes([(f"{name}.state", layer.state) for name, layer in zip(layer_names(layers), layers)]
+             + [(f"{name}.conv_state", layer.conv_state) for name, layer in zip(layer_names(layers), layers)],
+             [("num_accepted", num_accepted), ("query_start_loc", query_start_loc), *index_tensors])
+    return steps
+
+
+def _committer_for(states, conv_states, corrections, keys, decays, groups, conv_widths, max_batch, null_slot,
+                   backend):
+    """Check layers given as the op's lists and build a committer for them (for one call: it is
+    not kept, since it would keep the tensors alive)."""
+    name = "CommitContext.commit"
+    if not states:
+        raise ValueError(f"{name}: states is empty: a commit needs at least one layer")
+    n = len(states)
+    for what, values in (("corrections", corrections), ("keys", keys), ("decays", decays), ("groups", groups),
+                         ("conv_widths", conv_widths)):
+        if len(values) != n:
+            raise ValueError(f"{name}: {what} has {len(values)} entries for {n} layers")
+    if sum(1 for w in conv_widths if w) != len(conv_states):
+        raise ValueError(f"{name}: conv_widths names {sum(1 for w in conv_widths if w)} layers with a conv state, "
+                         f"conv_states has {len(conv_states)}")
+    conv = iter(conv_states)
+    layers = [LayerTensors(states[i], corrections[i], keys[i], decays[i], next(conv) if conv_widths[i] else None,
+                           conv_widths[i], groups[i]) for i in range(n)]
+    device = states[0].device
+    c = Checker(name, device)
+    be = backend_for("commit", backend, device)
+    check_layers(c, layers, max_batch, be.capabilities, be.name)
+    committer = be.make_committer([_commit_layer(layer) for layer in layers], max(groups) + 1, max_batch, null_slot)
+    return committer, layers, device

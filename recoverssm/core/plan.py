@@ -8,28 +8,32 @@ from __future__ import annotations
 
 from typing import Optional
 
-NO_SLOT_LIMIT = 2**31 - 1
+from .indices import INT32_MAX, is_request, is_slot
+
+NO_SLOT_LIMIT = INT32_MAX
 
 
 def plan_rows(num_accepted: list[int], state_indices: list[int], qsl: list[int],
               request_indices: Optional[list[int]], block_table: Optional[list[list[int]]],
               num_computed_tokens: Optional[list[int]], block_size: int, null_slot: int,
-              num_slots: int) -> list[tuple[int, int, int, int]]:
+              num_slots: int, max_len: int = INT32_MAX) -> list[tuple[int, int, int, int]]:
     """``(commit_len, final_slot, boundary_slot, boundary_len)`` for each batch row.
 
-    A slot outside ``(null_slot, num_slots)`` is treated as null, so a row whose source or final
-    slot is out of range writes nothing; so is a row whose request index is out of range or whose
-    ``num_computed_tokens`` is negative. Validation rejects such values before this on CPU (and on
-    GPU with ``check=True``); the kernels follow these same rules whatever the values.
+    Whatever the values (the index rule, ``core/indices.py``): a slot that is not a slot is
+    null, so a row whose source or final slot is not one writes nothing; so does a row whose
+    request index is not a request or whose ``num_computed_tokens`` is negative; the commit
+    length is clamped to ``[0, min(len, max_len)]`` (``max_len``: the records' window) and the final block column to the table's width.
+    Validation rejects such values before this on CPU (and on GPU with ``check=True``); the
+    kernels follow these same rules, in 64-bit arithmetic where Python's integers are exact.
     """
     def real(slot: int) -> bool:
-        return null_slot < slot < num_slots
+        return is_slot(slot, null_slot, num_slots)
 
     plan = []
     for r, src in enumerate(state_indices):
         q = request_indices[r] if request_indices is not None else r
-        length = qsl[r + 1] - qsl[r]
-        if not 0 <= q < len(num_accepted):
+        length = min(qsl[r + 1] - qsl[r], max_len)
+        if not is_request(q, len(num_accepted)):
             plan.append((0, null_slot, null_slot, 0))
             continue
         n = min(max(num_accepted[q], 0), length)

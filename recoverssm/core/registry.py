@@ -41,6 +41,7 @@ class Registry:
         self.pm.add_hookspecs(hookspecs)
         self._load_entry_points = load_entry_points
         self._backends: Optional[dict[str, Backend]] = None
+        self._environment: tuple[str, ...] = ()
         self._resolved: dict[tuple, tuple[Backend, str]] = {}
         self._lock = threading.Lock()
 
@@ -75,6 +76,10 @@ class Registry:
         with self._lock:
             if self._backends is None:
                 self._backends = self._load()
+                names = {ENV_BACKEND}
+                for backend in self._backends.values():
+                    names.update(getattr(backend, "environment", ()))
+                self._environment = tuple(sorted(names))
             return self._backends
 
     def register(self, plugin: object, name: Optional[str] = None) -> None:
@@ -113,14 +118,17 @@ class Registry:
                 device: Union[torch.device, str, None] = None) -> tuple[Backend, str]:
         """Return ``(backend, reason)``: the backend that serves ``device`` and why it was chosen.
 
-        Successful answers are memoised per (argument, environment, device type), since every op
-        asks; a change of ``RECOVERSSM_BACKEND`` or of the interpreter setting is a new key.
+        Successful answers are memoised per (argument, device type, environment), since every op
+        asks; a change of ``RECOVERSSM_BACKEND`` or of a variable a backend lists in its
+        ``environment`` is a new key.
         """
         dev_type = device.type if isinstance(device, torch.device) else (
             torch.device(device).type if device is not None else None)
+        if self._backends is None:
+            self.backends()
+        environ = os.environ
         key = (backend if not isinstance(backend, Backend) else id(backend), dev_type,
-               os.environ.get(ENV_BACKEND), os.environ.get("TRITON_INTERPRET"),
-               os.environ.get("RECOVERSSM_XPU_INTERPRET"))
+               tuple([environ.get(name) for name in self._environment]))
         hit = self._resolved.get(key)
         if hit is not None and (not isinstance(backend, Backend) or hit[0] is backend):
             return hit

@@ -13,7 +13,7 @@ import torch
 
 @dataclass
 class ReplayRecords:
-    """Per-token replay records of one recurrent layer (contract section 2 and 3).
+    """Per-token replay records of one recurrent layer, written by verify, read by the commit.
 
     ``correction``: fp32 ``[max_batch, HV, max_window, V]``, the correction ``c_t``.
     ``key``: fp32 ``[max_batch, H, max_window, K]``, the normalized key ``k^_t`` (one per q/k head).
@@ -95,25 +95,31 @@ class LayerCache:
 
     ``state``: ``[num_slots, HV, V, K]`` fp32 or bf16, K contiguous.
     ``records``: the layer's :class:`ReplayRecords`.
-    ``conv_state``: optional ``[num_slots, conv_dim, history + max_window]``, compacted by the commit;
-    its history width is ``conv_state.shape[2] - records.max_window``.
+    ``conv_state``: optional ``[num_slots, conv_dim, history + window]`` (``history =
+    conv_width - 1``; ``window >= records.max_window``), compacted by the commit.
+    ``conv_width``: the conv kernel's width (``weight.shape[1]`` of ``conv_verify``); required
+    with a conv state, which holds ``conv_width - 1`` columns of history.
+
+    Holds the tensors it is given: a :class:`~recoverssm.CommitContext` built over it keeps
+    pointers to them, so reallocating a pool means building a new context.
     """
 
     state: torch.Tensor
     records: ReplayRecords
     conv_state: Optional[torch.Tensor] = None
+    conv_width: Optional[int] = None
 
     @property
     def conv_history(self) -> int:
-        """Columns of conv history (``kernel_width - 1``): what the conv state holds beyond the window."""
-        if self.conv_state is None:
+        """Columns of conv history (``conv_width - 1``); 0 without a conv state."""
+        if self.conv_state is None or self.conv_width is None:
             return 0
-        return self.conv_state.shape[2] - self.records.max_window
+        return self.conv_width - 1
 
 
 @dataclass
 class CommitPlan:
-    """What the commit does for each batch row (contract section 4); int32 tensors of shape ``[B]``.
+    """What the commit does for each batch row (``core/plan.py``); int32 tensors of shape ``[B]``.
 
     ``commit_len``: accepted tokens replayed (0 for rows that write nothing).
     ``final_slot``: the slot that receives the state after ``commit_len`` tokens (null where invalid).

@@ -1,37 +1,51 @@
-"""Argument checks shared by every public op (contract section 5).
+"""The building blocks of argument checking, shared by every op.
 
 Each check raises ``TypeError`` (not a tensor, wrong dtype) or ``ValueError`` (shape, stride,
-device, value) whose message starts with the op and names the argument. All checks run before
-anything is launched or written.
+device, value, overlap) whose message starts with the op and names the argument. The op-level
+checks that use these live in ``core/arguments.py``; all of them run before anything is launched
+or written.
 
 Checks of *values held in tensors* (slot indices, ``query_start_loc``, block tables) need the
-values on the host: they always run for CPU tensors; for device tensors they run only when the
-caller passes ``check=True`` or sets ``RECOVERSSM_CHECK=1`` (each costs a device sync). Without
-them, kernels treat any slot outside ``(null_slot, num_slots)`` as null.
+values on the host: they always run for CPU tensors; for device tensors they run when the caller
+passes ``check=True`` or sets ``RECOVERSSM_CHECK=1`` (each costs a device sync), never while a
+CUDA graph is being captured. Without them, kernels follow the index rule of ``core/indices.py``.
 """
 from __future__ import annotations
 
 import os
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
+
+from .indices import INT32_MAX, INT32_MIN, is_slot
 
 ENV_CHECK = "RECOVERSSM_CHECK"
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 STATE_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def wants_value_checks(check: Optional[bool], device: torch.device) -> bool:
-    """Value checks run on CPU tensors always, elsewhere when asked (``check=True`` or the env var)."""
+    """Value checks run on CPU tensors always; on other devices when asked (``check=True`` or
+    ``RECOVERSSM_CHECK=1``), except during CUDA graph capture, where a host sync is not allowed."""
     if device.type == "cpu":
         return True
-    if check is not None:
-        return bool(check)
-    return os.environ.get(ENV_CHECK, "0") not in ("", "0", "false", "False")
+    if check is None:
+        check = os.environ.get(ENV_CHECK, "0") not in ("", "0", "false", "False")
+    return bool(check) and not _capturing(device)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 class Checker:
     """Collects the context (op name, reference device) so each rule is one short line."""
+
+    __slots__ = ("op", "device")
 
     def __init__(self, op: str, device: torch.device):
         self.op = op
@@ -40,33 +54,34 @@ class Checker:
     def fail(self, name: str, msg: str, exc: type = ValueError):
         raise exc(f"{self.op}: {name} {msg}")
 
+    # ---- one tensor -----------------------------------------------------------------------------
     def tensor(self, name: str, x, *, dims: Optional[int] = None, dtypes: Sequence[torch.dtype] = (),
                shape: Optional[Sequence[Optional[int]]] = None, last_contiguous: bool = False,
-               contiguous: bool = False) -> torch.Tensor:
+               contiguous: bool = False, why: str = "") -> torch.Tensor:
+        """Type, dtype, device, rank, shape (``None`` entries match any size) and strides.
+        ``why`` is appended to a shape error (for example which argument a size came from)."""
         # One pass that accepts a good tensor cheaply (this runs for every argument of every
-        # call, so it is a visible share of the host time); any miss re-checks rule by rule
-        # below to name the failure.
+        # call, a visible share of the host time); any miss re-checks rule by rule to name it.
         if (isinstance(x, torch.Tensor) and (not dtypes or x.dtype in dtypes) and x.device == self.device
                 and (dims is None or x.dim() == dims) and (shape is None or _shape_matches(x.shape, shape))
                 and (not contiguous or x.is_contiguous())
                 and (not last_contiguous or x.dim() == 0 or x.shape[-1] <= 1 or x.stride(-1) == 1)):
             return x
-        return self._explain_tensor(name, x, dims, dtypes, shape, last_contiguous, contiguous)
+        return self._explain_tensor(name, x, dims, dtypes, shape, last_contiguous, contiguous, why)
 
-    def _explain_tensor(self, name, x, dims, dtypes, shape, last_contiguous, contiguous) -> torch.Tensor:
+    def _explain_tensor(self, name, x, dims, dtypes, shape, last_contiguous, contiguous, why) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):
             self.fail(name, f"must be a torch.Tensor, got {type(x).__name__}", TypeError)
         if dtypes and x.dtype not in dtypes:
-            allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-            self.fail(name, f"has dtype {str(x.dtype).replace('torch.', '')}; expected {allowed}", TypeError)
+            allowed = ", ".join(_dtype_name(d) for d in dtypes)
+            self.fail(name, f"has dtype {_dtype_name(x.dtype)}; expected {allowed}", TypeError)
         if x.device != self.device:
             self.fail(name, f"is on {x.device}, but the op's tensors are on {self.device}")
         if dims is not None and x.dim() != dims:
-            self.fail(name, f"must have {dims} dims, got shape {tuple(x.shape)}")
-        if shape is not None:
-            if not _shape_matches(x.shape, shape):
-                want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-                self.fail(name, f"has shape {list(x.shape)}; expected {want}")
+            self.fail(name, f"must have {dims} dims, got shape {list(x.shape)}")
+        if shape is not None and not _shape_matches(x.shape, shape):
+            want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+            self.fail(name, f"has shape {list(x.shape)}; expected {want}{why}")
         if last_contiguous and x.dim() and x.shape[-1] > 1 and x.stride(-1) != 1:
             self.fail(name, f"must be contiguous in its last dim (strides {x.stride()})")
         if contiguous and not x.is_contiguous():
@@ -77,31 +92,67 @@ class Checker:
         """A 1-D int32 index tensor, contiguous, of ``length`` elements when given."""
         return self.tensor(name, x, dtypes=(torch.int32,), shape=(length,), contiguous=True)
 
-    def integer(self, name: str, v, minimum: Optional[int] = None) -> int:
+    def size(self, name: str, value: int, what: str) -> int:
+        """A dimension that must not be empty (a head count, a head size, a channel count)."""
+        if value < 1:
+            self.fail(name, f"has {what} = {value}; it must be at least 1")
+        return value
+
+    # ---- scalars --------------------------------------------------------------------------------
+    def integer(self, name: str, v, minimum: Optional[int] = INT32_MIN,
+                maximum: Optional[int] = INT32_MAX) -> int:
+        """A Python int within ``[minimum, maximum]`` (by default the int32 range: the kernels
+        take these values as 32-bit integers)."""
         if isinstance(v, bool) or not isinstance(v, int):
             self.fail(name, f"must be an int, got {type(v).__name__}", TypeError)
         if minimum is not None and v < minimum:
             self.fail(name, f"must be >= {minimum}, got {v}")
+        if maximum is not None and v > maximum:
+            self.fail(name, f"must be <= {maximum}, got {v}")
         return v
 
-    def no_overlap(self, name: str, x: torch.Tensor, other_name: str, other: torch.Tensor):
-        """Refuse an output that shares memory with an input the op still reads."""
-        if x.untyped_storage().data_ptr() == other.untyped_storage().data_ptr():
-            lo1, hi1 = _byte_span(x)
-            lo2, hi2 = _byte_span(other)
-            if lo1 < hi2 and lo2 < hi1:
-                self.fail(name, f"overlaps {other_name} in memory")
+    def null_slot(self, v) -> int:
+        """The padding marker: any int32 (values ``<= null_slot`` are padding)."""
+        return self.integer("null_slot", v)
+
+    # ---- memory: what an op writes must not overlap anything else it touches --------------------
+    def writes(self, written: Iterable[tuple[str, Optional[torch.Tensor]]],
+               read: Iterable[tuple[str, Optional[torch.Tensor]]]) -> None:
+        """Refuse a written tensor that overlaps itself (a zero or interleaving stride: two of its
+        elements at one address) or shares bytes with any other argument, read or written.
+
+        Overlap is judged on byte ranges (first to last byte of each tensor), which also catches
+        two tensors made over one buffer by other means than views; two interleaved views that
+        never touch the same byte are refused as well, which no op here needs to allow."""
+        if self.device.type == "meta":
+            return
+        written = [(n, t) for n, t in written if t is not None and t.numel()]
+        others = [(n, t) for n, t in read if t is not None and t.numel()]
+        spans = []
+        for name, t in written:
+            if _overlaps_itself(t):
+                self.fail(name, f"overlaps itself in memory (strides {t.stride()}): every element "
+                                "it is written through must have its own address")
+            spans.append((name, _byte_span(t)))
+        for name, t in others:
+            spans.append((name, _byte_span(t)))
+        for i, (name, (lo, hi)) in enumerate(spans[:len(written)]):
+            for other, (lo2, hi2) in spans[i + 1:]:
+                if lo < hi2 and lo2 < hi:
+                    self.fail(name, f"overlaps {other} in memory")
 
     # ---- value checks (host-side; the caller decides whether to run them) ----------------------
     def slots_in_range(self, name: str, slots: torch.Tensor, num_slots: int, null_slot: int):
-        vals = slots.reshape(-1).tolist()
-        for i, s in enumerate(vals):
-            if s > null_slot and not 0 <= s < num_slots:
+        """Every entry is padding (``<= null_slot``) or a slot (``core/indices.py``)."""
+        for i, s in enumerate(slots.reshape(-1).tolist()):
+            if s > null_slot and not is_slot(s, null_slot, num_slots):
                 self.fail(name, f"entry {i} = {s} is neither a padding value (<= null_slot = {null_slot}) "
                                 f"nor a slot in [0, {num_slots})")
 
     def query_start_loc(self, name: str, qsl: torch.Tensor, num_tokens: int,
                         max_len: Optional[int]) -> list[int]:
+        """Starts at 0 or later, never decreases, ends within the tokens given; no row longer
+        than ``max_len``. Returns the values."""
         vals = qsl.tolist()
         if vals and vals[0] < 0:
             self.fail(name, f"starts at {vals[0]} < 0")
@@ -115,6 +166,21 @@ class Checker:
             self.fail(name, f"ends at {vals[-1]}, past the {num_tokens} tokens given")
         return vals
 
+    def distinct_writes(self, name: str, writes: list[tuple[int, int]], sources: list[tuple[int, int]]):
+        """Refuse two writes to one slot, or a write to a slot another row reads (a race on a
+        GPU). ``writes`` and ``sources``: ``(row, slot)`` pairs (several rows may read one slot)."""
+        readers: dict[int, list[int]] = {}
+        for row, slot in sources:
+            readers.setdefault(slot, []).append(row)
+        seen: dict[int, int] = {}
+        for row, slot in writes:
+            if slot in seen and seen[slot] != row:
+                self.fail(name, f"makes rows {seen[slot]} and {row} both write slot {slot}")
+            seen[slot] = row
+            others = [r for r in readers.get(slot, ()) if r != row]
+            if others:
+                self.fail(name, f"makes row {row} write slot {slot}, which row {others[0]} reads")
+
 
 def _shape_matches(actual: torch.Size, expected: Sequence[Optional[int]]) -> bool:
     """``expected`` has one entry per dim; ``None`` matches any size."""
@@ -126,14 +192,19 @@ def _shape_matches(actual: torch.Size, expected: Sequence[Optional[int]]) -> boo
     return True
 
 
+def _overlaps_itself(x: torch.Tensor) -> bool:
+    """True unless every dim's stride exceeds the furthest element the smaller strides reach
+    (the usual sufficient test for a view whose elements all have their own address)."""
+    reach = 0
+    for stride, size in sorted((st, sz) for sz, st in zip(x.shape, x.stride()) if sz > 1):
+        if stride <= reach:
+            return True
+        reach += (size - 1) * stride
+    return False
+
+
 def _byte_span(x: torch.Tensor) -> tuple[int, int]:
-    if x.numel() == 0:
-        return x.data_ptr(), x.data_ptr()
-    lo = hi = x.data_ptr()
-    for size, stride in zip(x.shape, x.stride()):
-        span = (size - 1) * stride * x.element_size()
-        if span >= 0:
-            hi += span
-        else:
-            lo += span
-    return lo, hi + x.element_size()
+    """``[first byte, last byte + 1)`` of a non-empty tensor (strides are never negative)."""
+    last = sum((size - 1) * stride for size, stride in zip(x.shape, x.stride()))
+    lo = x.data_ptr()
+    return lo, lo + (last + 1) * x.element_size()

@@ -1,4 +1,4 @@
-"""The commit plan and the replay commit (reference, contract section 4).
+"""The commit plan and the replay commit (the reference).
 
 The plan rules themselves live in ``recoverssm.core.plan.plan_rows`` (validation uses them too).
 """
@@ -11,7 +11,7 @@ import torch
 from ...core.backend import CommitLayer, Committer, GroupStep
 from ...core.plan import plan_rows
 from .conv import conv_compact
-from .gdn import replay_step
+from .recurrence import replay_step
 
 
 def plan_commit(num_accepted, state_indices, query_start_loc, request_indices, block_table,
@@ -74,5 +74,5 @@ class RefCommitter(Committer):
                 None if step.request_indices is None else step.request_indices.tolist(),
                 None if step.block_table is None else step.block_table.tolist(),
                 None if step.num_computed_tokens is None else step.num_computed_tokens.tolist(),
-                step.block_size or 1, self.null_slot, layer.state.shape[0])
+                step.block_size or 1, self.null_slot, layer.state.shape[0], layer.correction.shape[2])
             commit_layer(layer, sources, plan, self.null_slot)

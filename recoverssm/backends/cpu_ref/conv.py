@@ -1,6 +1,7 @@
-"""Short causal depthwise conv over each row's window, and conv-window compaction (reference).
+"""Short causal depthwise conv (verify over a window, decode one token) and conv-window
+compaction: the reference.
 
-``conv_state[slot]`` is ``[conv_dim, history + T_max]``: the last ``history`` inputs before the
+``conv_state[slot]`` is ``[conv_dim, history + window]``: the last ``history`` inputs before the
 window at columns ``[0, history)``; verify appends the window's inputs at ``[history, history + len)``.
 """
 from __future__ import annotations
@@ -9,37 +10,59 @@ from typing import Optional
 
 import torch
 
+from ...core.indices import is_slot
+from .recurrence import row_bounds
 from .numerics import silu_rows
+
+
+def conv_outputs(seq: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], count: int,
+                 silu: bool) -> torch.Tensor:
+    """``count`` outputs ``[count, conv_dim]`` fp32 of the conv over ``seq`` ``[conv_dim, history +
+    count]`` (fp32): ``y_p = act(bias + sum_j weight[:, j] * seq[:, p + j])``, accumulated in the
+    order ``bias, j = 0 .. width-1``, each step one multiply and one add (no fused multiply-add)."""
+    w = weight.float()
+    acc = torch.zeros(count, seq.shape[0], dtype=torch.float32)
+    if bias is not None:
+        acc += bias.float()
+    for j in range(w.shape[1]):
+        acc = acc + w[:, j] * seq[:, j:j + count].t()
+    return silu_rows(acc) if silu else acc
 
 
 def conv_verify(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
                 bias: Optional[torch.Tensor], state_indices: torch.Tensor,
                 query_start_loc: torch.Tensor, silu: bool, null_slot: int, out: torch.Tensor) -> None:
-    """``x``, ``out``: ``[T_total, conv_dim]``; ``weight``: ``[conv_dim, width]``; ``bias``: ``[conv_dim]``.
-
-    ``y_p = act(bias + sum_j weight[:, j] * seq[p + j])`` with ``seq = history ++ window``,
-    accumulated in fp32 in the order ``j = 0 .. width-1``.
-    """
-    width = weight.shape[1]
-    history = width - 1
-    w = weight.float()
-    qsl = query_start_loc.tolist()
-    for r, slot in enumerate(state_indices.tolist()):
-        start, end = qsl[r], qsl[r + 1]
-        if end == start:
+    """``x``, ``out``: ``[T_total, conv_dim]``; ``weight``: ``[conv_dim, width]``; ``bias``: ``[conv_dim]``."""
+    history = weight.shape[1] - 1
+    num_slots, _, cols = conv_state.shape
+    starts, lengths = row_bounds(query_start_loc, x.shape[0], cols - history)
+    for slot, start, length in zip(state_indices.tolist(), starts, lengths):
+        if length == 0:
             continue
-        if slot <= null_slot:
-            out[start:end] = 0
+        if not is_slot(slot, null_slot, num_slots):
+            out[start:start + length] = 0
             continue
-        window = x[start:end]
+        window = x[start:start + length]
         seq = torch.cat([conv_state[slot, :, :history].float(), window.float().t()], dim=1)
-        acc = torch.zeros(end - start, x.shape[1], dtype=torch.float32)
-        if bias is not None:
-            acc += bias.float()
-        for j in range(width):
-            acc = acc + w[:, j] * seq[:, j:j + end - start].t()
-        out[start:end] = (silu_rows(acc) if silu else acc).to(out.dtype)
-        conv_state[slot, :, history:history + end - start] = window.t().to(conv_state.dtype)
+        out[start:start + length] = conv_outputs(seq, weight, bias, length, silu).to(out.dtype)
+        conv_state[slot, :, history:history + length] = window.t().to(conv_state.dtype)
+
+
+def conv_decode(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+                bias: Optional[torch.Tensor], state_indices: torch.Tensor, silu: bool, null_slot: int,
+                out: torch.Tensor) -> None:
+    """``x``, ``out``: ``[B, conv_dim]``, one token per row: the output of a one-token window, then
+    the history shifted left by one with the token (in the conv state's dtype) last."""
+    history = weight.shape[1] - 1
+    num_slots = conv_state.shape[0]
+    for r, slot in enumerate(state_indices.tolist()):
+        if not is_slot(slot, null_slot, num_slots):
+            out[r] = 0
+            continue
+        seq = torch.cat([conv_state[slot, :, :history].float(), x[r:r + 1].float().t()], dim=1)
+        out[r] = conv_outputs(seq, weight, bias, 1, silu)[0].to(out.dtype)
+        shifted = torch.cat([conv_state[slot, :, 1:history], x[r:r + 1].t().to(conv_state.dtype)], dim=1)
+        conv_state[slot, :, :history] = shifted[:, shifted.shape[1] - history:]
 
 
 def conv_compact(conv_state: torch.Tensor, history: int, src: int, final: int, boundary: int,

@@ -73,7 +73,7 @@ def l2_normalize(x: torch.Tensor) -> torch.Tensor:
 
 
 def softplus(x: torch.Tensor) -> torch.Tensor:
-    """``x if x > 20 else log1p(exp(x))`` (contract section 2)."""
+    """``x if x > 20 else log1p(exp(x))``."""
     return torch.where(x > SOFTPLUS_THRESHOLD, x, torch.log1p(torch.exp(x)))
 
 
@@ -96,11 +96,37 @@ def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
     return decay, beta
 
 
+def kda_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+              lower_bound: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """KDA's per-channel decay and ``beta = sigmoid(b)``.
+
+    ``a``: ``[T, HV, K]``; ``b``: ``[T, HV]``; ``A_log``: ``[HV]``; ``dt_bias``: ``[HV, K]`` fp32.
+    ``d = exp(g)`` with ``g = -exp(A_log) * softplus(a + dt_bias)``, or with ``lower_bound``
+    ``g = lower_bound * sigmoid(exp(A_log) * (a + dt_bias))``. Returns fp32 ``[T, HV, K]`` and
+    ``[T, HV]``; one token's ``[HV * K]`` gates at a time, as :func:`gdn_gates`.
+    """
+    T, HV, K = a.shape
+    A = on_vector_path(torch.exp, A_log.float())[:, None]            # [HV, 1]
+    dt_bias = dt_bias.float()
+    decay = torch.empty(a.shape, dtype=torch.float32)
+    beta = torch.empty(b.shape, dtype=torch.float32)
+    for t in range(T):
+        x = a[t].float() + dt_bias                                     # [HV, K]
+        if lower_bound is None:
+            g_t = -A * on_vector_path(softplus, x.reshape(-1)).view(HV, K)
+        else:
+            g_t = lower_bound * on_vector_path(torch.sigmoid, (A * x).reshape(-1)).view(HV, K)
+        decay[t] = on_vector_path(torch.exp, g_t.reshape(-1)).view(HV, K)
+        beta[t] = on_vector_path(torch.sigmoid, b[t].float())
+    return decay, beta
+
+
 def precomputed_gates(g: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decay ``exp(g)`` and ``beta`` from precomputed ``[T, HV]`` gates, one token at a time."""
+    """Decay ``exp(g)`` and ``beta`` from precomputed gates (``g``: ``[T, HV]``, or ``[T, HV, K]``
+    for KDA), one token at a time."""
     decay = torch.empty(g.shape, dtype=torch.float32)
     for t in range(g.shape[0]):
-        decay[t] = on_vector_path(torch.exp, g[t].float())
+        decay[t] = on_vector_path(torch.exp, g[t].float().reshape(-1)).view(g.shape[1:])
     return decay, beta.float().clone()
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from ...core.backend import Backend
 from ...core.hookspecs import hookimpl
 from ...core.pointers import PointerEncoding
-from . import commit, conv, gdn
+from . import commit, conv, recurrence
 
 
 class CpuRefBackend(Backend):
@@ -13,20 +13,23 @@ class CpuRefBackend(Backend):
     name = "cpu_ref"
     device_types = ("cpu",)
     pointer_encoding = PointerEncoding.INT64
-    capabilities = frozenset({
-        "conv_verify", "gdn_verify", "gdn_decode", "gdn_spec_decode_snapshot",
-        "plan_commit", "commit", "grouped_commit", "bf16_state", "vector_decay",
-    })
+    capabilities = Backend.CAPABILITIES
+
+    def kernels(self) -> dict[str, str]:
+        return {"all ops": "the PyTorch reference (recoverssm/backends/cpu_ref)"}
 
     def conv_verify(self, x, conv_state, weight, bias, state_indices, query_start_loc, silu,
                     null_slot, out):
         conv.conv_verify(x, conv_state, weight, bias, state_indices, query_start_loc, silu,
                          null_slot, out)
 
-    def gdn_recurrent(self, mode, q, k, v, state, state_indices, query_start_loc, gates, scale,
-                      use_qk_l2norm, null_slot, out, records, snapshot_slots):
-        gdn.gdn_recurrent(mode, q, k, v, state, state_indices, query_start_loc, gates, scale,
-                          use_qk_l2norm, null_slot, out, records, snapshot_slots)
+    def conv_decode(self, x, conv_state, weight, bias, state_indices, silu, null_slot, out):
+        conv.conv_decode(x, conv_state, weight, bias, state_indices, silu, null_slot, out)
+
+    def recurrence(self, mode, q, k, v, state, state_indices, query_start_loc, gates, scale,
+                   use_qk_l2norm, null_slot, out, records, snapshot_slots):
+        recurrence.recurrence(mode, q, k, v, state, state_indices, query_start_loc, gates, scale,
+                              use_qk_l2norm, null_slot, out, records, snapshot_slots)
 
     def plan_commit(self, num_accepted, state_indices, query_start_loc, request_indices,
                     block_table, num_computed_tokens, block_size, null_slot, num_slots, out):

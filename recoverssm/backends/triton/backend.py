@@ -4,7 +4,8 @@ Kernels and launchers (which import Triton) are imported when an op runs, not wh
 registered, so a machine without Triton still lists the backend, as unavailable.
 
 A GPU backend subclasses :class:`TritonBackend` and sets its name, device types, pointer
-encoding and launch table; the kernels and launchers are shared (``recoverssm/backends/triton``).
+encoding and launch table (a module of its own); the kernels and launchers are shared
+(``recoverssm/backends/triton``).
 """
 from __future__ import annotations
 
@@ -14,29 +15,32 @@ from typing import Optional
 import torch
 
 from ...core.backend import Backend
-from .config import LaunchConfig, interpreting
+from .config import ENV_INTERPRET, LaunchTable, interpreting
 
 #: The guard of a launch that needs no device switch (a reusable do-nothing context manager).
 STAY_ON_DEVICE = contextlib.nullcontext()
 
 
 class TritonBackend(Backend):
-    capabilities = frozenset({
-        "conv_verify", "gdn_verify", "gdn_decode", "gdn_spec_decode_snapshot",
-        "plan_commit", "commit", "grouped_commit", "bf16_state",
-    })
-    #: Launch table: head dims -> config; ``None`` is the default row.
-    launch_table: dict[Optional[tuple[int, int]], LaunchConfig] = {None: LaunchConfig()}
+    capabilities = Backend.CAPABILITIES
+    #: The launch table, one per backend (``config.LaunchTable``).
+    launch_table: LaunchTable = LaunchTable()
+    #: Environment variables whose change can change this backend's availability (the registry
+    #: re-resolves when one changes).
+    environment: tuple[str, ...] = (ENV_INTERPRET,)
+    _table_override: Optional[LaunchTable] = None
 
-    def config(self, K: int, V: int) -> LaunchConfig:
-        return self.launch_table.get((K, V), self.launch_table[None])
+    @property
+    def table(self) -> LaunchTable:
+        """The launch table in force (``tuning.launch_table`` may replace it for a while)."""
+        return self._table_override or self.launch_table
 
     def serves(self, device_type: str) -> bool:
         # Under TRITON_INTERPRET=1 the real kernels run on CPU tensors (CI checks them that way).
         return device_type in self.device_types or (device_type == "cpu" and interpreting())
 
     def device_present(self) -> bool:  # pragma: no cover - hardware specific
-        raise NotImplementedError
+        return False
 
     def is_available(self) -> bool:
         try:
@@ -54,35 +58,42 @@ class TritonBackend(Backend):
             return f"no {'/'.join(self.device_types)} device is visible to torch"
         return ""
 
+    def kernels(self) -> dict[str, str]:
+        where = "Triton's CPU interpreter" if interpreting() else "compiled Triton kernels"
+        return {"conv_verify, conv_decode": f"triton/conv.py ({where})",
+                "gdn_*, kda_* (verify, decode, snapshot)": f"triton/recurrence.py, one binary for the three modes ({where})",
+                "plan_commit, commit": f"triton/commit.py ({where})"}
+
     def conv_verify(self, x, conv_state, weight, bias, state_indices, query_start_loc, silu,
                     null_slot, out):
         from . import launch
         with self.device_guard(x.device):
-            launch.conv_verify(self.launch_table[None], x, conv_state, weight, bias, state_indices,
-                               query_start_loc, silu, null_slot, out)
+            launch.conv_verify(self.table, x, conv_state, weight, bias, state_indices, query_start_loc, silu,
+                               null_slot, out)
 
-    def gdn_recurrent(self, mode, q, k, v, state, state_indices, query_start_loc, gates, scale,
-                      use_qk_l2norm, null_slot, out, records, snapshot_slots):
+    def conv_decode(self, x, conv_state, weight, bias, state_indices, silu, null_slot, out):
+        from . import launch
+        with self.device_guard(x.device):
+            launch.conv_decode(self.table, x, conv_state, weight, bias, state_indices, silu, null_slot, out)
+
+    def recurrence(self, mode, q, k, v, state, state_indices, query_start_loc, gates, scale,
+                   use_qk_l2norm, null_slot, out, records, snapshot_slots):
         from . import launch
         with self.device_guard(q.device):
-            launch.gdn_recurrent(self.config(q.shape[2], v.shape[2]), mode, q, k, v, state,
-                                 state_indices, query_start_loc, gates, scale, use_qk_l2norm,
-                                 null_slot, out, records, snapshot_slots)
+            launch.recurrence(self.table, mode, q, k, v, state, state_indices, query_start_loc, gates, scale,
+                              use_qk_l2norm, null_slot, out, records, snapshot_slots)
 
     def plan_commit(self, num_accepted, state_indices, query_start_loc, request_indices,
                     block_table, num_computed_tokens, block_size, null_slot, num_slots, out):
         from . import launch
         with self.device_guard(num_accepted.device):
-            launch.plan_commit(self.launch_table[None], num_accepted, state_indices,
-                               query_start_loc, request_indices, block_table, num_computed_tokens,
-                               block_size, null_slot, num_slots, out)
+            launch.plan_commit(self.table, num_accepted, state_indices, query_start_loc, request_indices,
+                               block_table, num_computed_tokens, block_size, null_slot, num_slots, out)
 
     def make_committer(self, layers, num_groups, max_batch, null_slot):
-        first = layers[0]
-        cfg = self.config(first.key.shape[3], first.correction.shape[3])
         from . import launch
-        with self.device_guard(first.state.device):
-            return launch.TritonCommitter(cfg, self.pointer_encoding, self.device_guard, layers,
+        with self.device_guard(layers[0].state.device):
+            return launch.TritonCommitter(self.table, self.pointer_encoding, self.device_guard, layers,
                                           num_groups, max_batch, null_slot)
 
     def device_guard(self, device: torch.device):

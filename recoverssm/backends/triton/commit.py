@@ -1,6 +1,6 @@
 """The commit plan and the one-launch grouped commit.
 
-``plan_row`` is contract section 4 in Triton (the twin of ``core/plan.py::plan_rows``); it runs on
+``plan_row`` is the plan rule in Triton (the twin of ``core/plan.py::plan_rows``); it runs on
 scalars inside the commit kernel (no separate plan launch) and on vectors in ``plan_commit_kernel``.
 
 ``grouped_commit_kernel`` covers every layer of every KV-cache group in one launch. Grid axis 2 is
@@ -10,12 +10,13 @@ program computes the row's commit plan once, whatever the tiles it replays (``co
 one tile, one pass), and may hint the records and its next tile into L2 first. Per-layer base
 pointers and strides come from an int64 device table built once per commit context (``LAYER_*``
 columns); per-group pointers to the step's index tensors come from a second small table
-(``GROUP_*`` columns).
+(``GROUP_*`` columns). One launch covers layers that share a specialization (state dtype, head
+sizes, scalar or vector decay); the launcher groups a context's layers so.
 """
 import triton
 import triton.language as tl
 
-from .numerics import to_storage
+from .numerics import is_slot, to_storage
 
 # Columns of the per-layer table (int64). Pointers are stored with the backend's encoding.
 LAYER_STATE, LAYER_STATE_SLOT_STRIDE, LAYER_STATE_HEAD_STRIDE, LAYER_STATE_V_STRIDE, \
@@ -40,46 +41,49 @@ PREFETCH_RECORD_TOKENS = tl.constexpr(8)
 def plan_row(row, in_batch, num_accepted_ptr, qsl_ptr, state_indices_ptr, request_indices_ptr,
              block_table_ptr, num_computed_ptr, has_request_indices, align,
              bt_stride, bt_width, block_size, num_requests, null_slot, num_slots, max_len):
-    """Contract section 4 for ``row`` (a scalar or a vector of rows, ``in_batch`` masks the tail).
+    """The plan rule for ``row`` (a scalar or a vector of rows, ``in_batch`` masks the tail).
 
     ``has_request_indices`` and ``align`` are integers, nonzero meaning yes (in the grouped
     kernel they are the table's pointers themselves). Returns
     ``(commit_len, source, final, boundary, boundary_len)``; invalid rows get
-    ``(0, null, null, null, 0)``. Out-of-range values never reach an address: they make the row
-    (or its boundary) null instead.
+    ``(0, null, null, null, 0)``. Whatever the values: a slot that is not a slot, a request
+    that is not a request or a negative ``num_computed_tokens`` makes the row (or its boundary)
+    null, and the arithmetic on token counts is 64-bit, so nothing reaches an address outside
+    the tensors.
     """
     # tl.where keeps the flags int1 tensors whether they arrive as runtime values or as
     # constants (Triton specializes integer arguments equal to 1).
     has_request_indices = tl.where(has_request_indices != 0, in_batch, False)
     align = tl.where(align != 0, in_batch, False)
     src = tl.load(state_indices_ptr + row, mask=in_batch, other=null_slot)
-    length = tl.load(qsl_ptr + row + 1, mask=in_batch, other=0) - tl.load(qsl_ptr + row, mask=in_batch, other=0)
+    length = (tl.load(qsl_ptr + row + 1, mask=in_batch, other=0).to(tl.int64)
+              - tl.load(qsl_ptr + row, mask=in_batch, other=0).to(tl.int64))
     length = tl.minimum(tl.maximum(length, 0), max_len)
     req = tl.load(request_indices_ptr + row, mask=has_request_indices, other=0)
     req = tl.where(has_request_indices, req, row)
     req_ok = (req >= 0) & (req < num_requests)
     accepted = tl.load(num_accepted_ptr + req, mask=in_batch & req_ok, other=0)
-    n = tl.minimum(tl.maximum(accepted, 0), length)
-    valid = in_batch & req_ok & (src > null_slot) & (src < num_slots) & (n > 0)
+    n = tl.minimum(tl.maximum(accepted.to(tl.int64), 0), length)
+    valid = in_batch & req_ok & is_slot(src, null_slot, num_slots) & (n > 0)
 
     in_align = valid & align
-    computed = tl.load(num_computed_ptr + req, mask=in_align, other=0)
+    computed = tl.load(num_computed_ptr + req, mask=in_align, other=0).to(tl.int64)   # int64 from here on
     last_block = tl.minimum((computed + n - 1) // block_size, bt_width - 1)
     bt_row = block_table_ptr + req.to(tl.int64) * bt_stride
     final = tl.load(bt_row + last_block, mask=in_align & (computed >= 0), other=null_slot)
     final = tl.where(align, final, src)
-    valid = valid & (final > null_slot) & (final < num_slots) & (computed >= 0)
+    valid = valid & is_slot(final, null_slot, num_slots) & (computed >= 0)
 
     first_block = computed // block_size
     next_boundary = (first_block + 1) * block_size
     crosses = valid & align & (computed + n >= next_boundary) & (first_block < bt_width)
     candidate = tl.load(bt_row + first_block, mask=crosses, other=null_slot)
-    has_boundary = crosses & (candidate != final) & (candidate > null_slot) & (candidate < num_slots)
+    has_boundary = crosses & (candidate != final) & is_slot(candidate, null_slot, num_slots)
 
-    commit_len = tl.where(valid, n, 0)
+    commit_len = tl.where(valid, n, 0).to(tl.int32)
     final = tl.where(valid, final, null_slot)
     boundary = tl.where(has_boundary, candidate, null_slot)
-    boundary_len = tl.where(has_boundary, next_boundary - computed, 0)
+    boundary_len = tl.where(has_boundary, next_boundary - computed, 0).to(tl.int32)
     return commit_len, src, final, boundary, boundary_len
 
 
@@ -123,42 +127,58 @@ def table_pointer(table_row, column, DTYPE: tl.constexpr, ALIGNED: tl.constexpr)
 
 @triton.jit
 def load_record(corr_row, key_row, decay_row, t, valid, offs_v, mask_v, offs_k, mask_k,
-                V: tl.constexpr, K: tl.constexpr):
+                V: tl.constexpr, K: tl.constexpr, VECTOR_DECAY: tl.constexpr):
     """Window position ``t``'s replay record; where not ``valid``, nothing past position 0 is read
-    (the values are then unused)."""
+    (the values are then unused). The decay is a scalar, or with ``VECTOR_DECAY`` (KDA) a
+    K-vector."""
     correction = tl.load(corr_row + t * V + offs_v, mask=tl.where(valid, mask_v, False), other=0.0)
     k_hat = tl.load(key_row + t * K + offs_k, mask=tl.where(valid, mask_k, False), other=0.0)
-    decay = tl.load(decay_row + tl.where(valid, t, 0))
+    if VECTOR_DECAY:
+        decay = tl.load(decay_row + t * K + offs_k, mask=tl.where(valid, mask_k, False), other=0.0)
+    else:
+        decay = tl.load(decay_row + tl.where(valid, t, 0))
     return correction, k_hat, decay
 
 
 @triton.jit
+def replay_step(S, correction, k_hat, decay, VECTOR_DECAY: tl.constexpr):
+    """``S = fma(c, k^, S * d)`` on a ``[BV, K_PAD]`` tile; ``d`` scales every element (GDN) or
+    column ``j`` by ``d[j]`` (KDA)."""
+    if VECTOR_DECAY:
+        decayed = S * decay[None, :]
+    else:
+        decayed = S * decay
+    return tl.fma(correction[:, None], k_hat[None, :], decayed)
+
+
+@triton.jit
 def replay_tokens(S, corr_row, key_row, decay_row, first, last, offs_v, mask_v, offs_k, mask_k,
-                  V: tl.constexpr, K: tl.constexpr, PAIRS: tl.constexpr):
+                  V: tl.constexpr, K: tl.constexpr, PAIRS: tl.constexpr, VECTOR_DECAY: tl.constexpr):
     """``S = fma(c_t, k^_t, S * d_t)`` for window positions ``first <= t < last`` (``[BV, K_PAD]`` tile).
 
     A token waits for its replay record (a few hundred bytes) unless the load went out earlier:
-    that wait, once per token, is a large part of a commit program's life (docs/BENCHMARKS.md,
-    "Ninth session"). By default the next position's
+    that wait, once per token, is a large part of a commit program's life (docs/BENCHMARKS.md).
+    By default the next position's
     record is loaded while the current one is applied. With ``PAIRS`` the records of two
     positions are loaded together and then both applied: one wait per two tokens, and no record
     held across iterations (the one-ahead load of a pair needs more registers than a bf16 tile's
     cap leaves). The same products in the same order either way."""
     if PAIRS:
         for t in range(first, last, 2):
-            c0, k0, d0 = load_record(corr_row, key_row, decay_row, t, True, offs_v, mask_v, offs_k, mask_k, V, K)
+            c0, k0, d0 = load_record(corr_row, key_row, decay_row, t, True, offs_v, mask_v, offs_k, mask_k, V, K,
+                                     VECTOR_DECAY)
             c1, k1, d1 = load_record(corr_row, key_row, decay_row, t + 1, t + 1 < last,
-                                     offs_v, mask_v, offs_k, mask_k, V, K)
-            S = tl.fma(c0[:, None], k0[None, :], S * d0)
+                                     offs_v, mask_v, offs_k, mask_k, V, K, VECTOR_DECAY)
+            S = replay_step(S, c0, k0, d0, VECTOR_DECAY)
             if t + 1 < last:
-                S = tl.fma(c1[:, None], k1[None, :], S * d1)
+                S = replay_step(S, c1, k1, d1, VECTOR_DECAY)
     else:
         correction, k_hat, decay = load_record(corr_row, key_row, decay_row, first, first < last,
-                                               offs_v, mask_v, offs_k, mask_k, V, K)
+                                               offs_v, mask_v, offs_k, mask_k, V, K, VECTOR_DECAY)
         for t in range(first, last):
             next_correction, next_k_hat, next_decay = load_record(
-                corr_row, key_row, decay_row, t + 1, t + 1 < last, offs_v, mask_v, offs_k, mask_k, V, K)
-            S = tl.fma(correction[:, None], k_hat[None, :], S * decay)
+                corr_row, key_row, decay_row, t + 1, t + 1 < last, offs_v, mask_v, offs_k, mask_k, V, K, VECTOR_DECAY)
+            S = replay_step(S, correction, k_hat, decay, VECTOR_DECAY)
             correction, k_hat, decay = next_correction, next_k_hat, next_decay
     return S
 
@@ -192,15 +212,17 @@ def tile_offsets(tile_index, head_stride, v_stride, K: tl.constexpr, V: tl.const
 
 @triton.jit
 def record_rows(corr, key, decay, row, tile_index, max_window, H: tl.constexpr, HV: tl.constexpr,
-                K: tl.constexpr, V: tl.constexpr, V_TILES: tl.constexpr):
+                K: tl.constexpr, V: tl.constexpr, V_TILES: tl.constexpr, VECTOR_DECAY: tl.constexpr):
     """Pointers to the replay records of ``row`` that state tile ``tile_index`` reads: its value
     head's corrections (``[max_window, V]``), its q/k head's keys (``[max_window, K]``) and its
-    value head's decays (``[max_window]``)."""
+    value head's decays (``[max_window]``, or ``[max_window, K]`` for KDA)."""
     hv = tile_index // V_TILES
     h = hv // (HV // H)
-    return (corr + (row * HV + hv).to(tl.int64) * max_window * V,
-            key + (row * H + h).to(tl.int64) * max_window * K,
-            decay + (row * HV + hv).to(tl.int64) * max_window)
+    row = row.to(tl.int64)
+    DECAY_SIZE: tl.constexpr = K if VECTOR_DECAY else 1
+    return (corr + (row * HV + hv) * max_window * V,
+            key + (row * H + h) * max_window * K,
+            decay + (row * HV + hv) * max_window * DECAY_SIZE)
 
 
 @triton.jit
@@ -246,7 +268,8 @@ def commit_state_tile(state, slot_stride, offsets, mask, corr, key, decay,
                       row, tile_index, source_tile, n, final, boundary, boundary_len, max_window, null_slot,
                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                       K_PAD: tl.constexpr, BV: tl.constexpr, V_TILES: tl.constexpr,
-                      STATE_DTYPE: tl.constexpr, REPLAY_PAIRS: tl.constexpr):
+                      STATE_DTYPE: tl.constexpr, REPLAY_PAIRS: tl.constexpr, VECTOR_DECAY: tl.constexpr,
+                      INTERPRETED: tl.constexpr):
     """One ``[BV, K_PAD]`` state tile of one row and layer (``offsets``, ``mask``: from
     ``tile_offsets``), already read from the source slot (``source_tile``, storage dtype): replay
     the accepted records (``corr``, ``key``, ``decay``: the layer's record pointers), store the
@@ -255,16 +278,18 @@ def commit_state_tile(state, slot_stride, offsets, mask, corr, key, decay,
     mask_v = offs_v < V
     offs_k = tl.arange(0, K_PAD)
     mask_k = offs_k < K
-    corr_row, key_row, decay_row = record_rows(corr, key, decay, row, tile_index, max_window, H, HV, K, V, V_TILES)
+    corr_row, key_row, decay_row = record_rows(corr, key, decay, row, tile_index, max_window, H, HV, K, V, V_TILES,
+                                               VECTOR_DECAY)
 
     S = source_tile.to(tl.float32)
     S = replay_tokens(S, corr_row, key_row, decay_row, 0, boundary_len, offs_v, mask_v, offs_k, mask_k, V, K,
-                      REPLAY_PAIRS)
+                      REPLAY_PAIRS, VECTOR_DECAY)
     if boundary > null_slot:
-        tl.store(state + boundary.to(tl.int64) * slot_stride + offsets, to_storage(S, STATE_DTYPE), mask=mask)
+        tl.store(state + boundary.to(tl.int64) * slot_stride + offsets, to_storage(S, STATE_DTYPE, INTERPRETED),
+                 mask=mask)
     S = replay_tokens(S, corr_row, key_row, decay_row, boundary_len, n, offs_v, mask_v, offs_k, mask_k, V, K,
-                      REPLAY_PAIRS)
-    tl.store(state + final.to(tl.int64) * slot_stride + offsets, to_storage(S, STATE_DTYPE), mask=mask)
+                      REPLAY_PAIRS, VECTOR_DECAY)
+    tl.store(state + final.to(tl.int64) * slot_stride + offsets, to_storage(S, STATE_DTYPE, INTERPRETED), mask=mask)
 
 
 @triton.jit
@@ -276,6 +301,7 @@ def grouped_commit_kernel(
     STATE_DTYPE: tl.constexpr, CONV_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
     TILES_PER_PROGRAM: tl.constexpr,
     PREFETCH_RECORDS: tl.constexpr, PREFETCH_NEXT_TILE: tl.constexpr, REPLAY_PAIRS: tl.constexpr,
+    VECTOR_DECAY: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     item = tl.program_id(0)
     row = tl.program_id(1)
@@ -314,7 +340,7 @@ def grouped_commit_kernel(
                 for j in tl.static_range(TILES_PER_PROGRAM):
                     if first_tile + j < TILES:
                         corr_row, key_row, _ = record_rows(corr, key, decay, row, first_tile + j, max_window,
-                                                           H, HV, K, V, V_TILES)
+                                                           H, HV, K, V, V_TILES, VECTOR_DECAY)
                         prefetch_records(corr_row, key_row, n, first_tile + j, K, V, K_PAD, BV, V_TILES,
                                          PREFETCH_RECORD_TOKENS)
             # Several tiles per program share the plan above (a chain of dependent loads). A
@@ -331,7 +357,8 @@ def grouped_commit_kernel(
                 if tile_index < TILES:
                     commit_state_tile(state, slot_stride, offsets, mask, corr, key, decay,
                                       row, tile_index, tile, n, final, boundary, boundary_len, max_window,
-                                      null_slot, H, HV, K, V, K_PAD, BV, V_TILES, STATE_DTYPE, REPLAY_PAIRS)
+                                      null_slot, H, HV, K, V, K_PAD, BV, V_TILES, STATE_DTYPE, REPLAY_PAIRS,
+                                      VECTOR_DECAY, INTERPRETED)
         else:
             conv = tl.load(lt + LAYER_CONV)
             conv_dim = tl.load(lt + LAYER_CONV_DIM)

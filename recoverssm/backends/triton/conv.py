@@ -1,12 +1,41 @@
-"""Causal depthwise conv over each row's window (conv_verify).
+"""Causal depthwise conv kernels: ``conv_verify`` (a window per row) and ``conv_decode`` (one
+token per row, the history shifted in place).
 
-One program owns one (batch row, BD-block of channels). For window position ``p`` it reads the
-``WIDTH`` inputs ``seq[p .. p + WIDTH - 1]`` where ``seq = history columns ++ window inputs``: the
-first ``HISTORY`` come from ``conv_state`` (read only), the rest straight from ``x``. The window's
-inputs are appended to ``conv_state`` at ``[HISTORY, HISTORY + len)``; nothing is read back.
+One program owns one (batch row, BD-block of channels). Window position ``p``'s output reads the
+``WIDTH`` inputs ``seq[p .. p + WIDTH - 1]`` where ``seq = history columns ++ window inputs``:
+the first ``HISTORY`` come from ``conv_state``, the rest straight from ``x``. Both kernels
+accumulate with ``conv_output`` (bias, then ``j = 0 .. WIDTH-1``, a multiply and an add each:
+the kernels are compiled without contraction), so a token's output is the same bits whichever
+op computed it. Conv states are rounded to their dtype with ``to_storage`` (to nearest even on
+every target, the interpreter included).
 """
 import triton
 import triton.language as tl
+
+from .numerics import is_slot, row_window, to_storage
+
+
+@triton.jit
+def conv_output(acc, w_ptr, offs_d, mask_d, stride_w_d, stride_w_j, j, value):
+    """``acc + weight[:, j] * value``, in fp32."""
+    w = tl.load(w_ptr + offs_d * stride_w_d + j * stride_w_j, mask=mask_d, other=0.0).to(tl.float32)
+    return acc + w * value
+
+
+@triton.jit
+def conv_start(bias_ptr, offs_d, mask_d, HAS_BIAS: tl.constexpr, BD: tl.constexpr):
+    if HAS_BIAS:
+        return tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    else:
+        return tl.zeros([BD], dtype=tl.float32)
+
+
+@triton.jit
+def activate(acc, SILU: tl.constexpr):
+    if SILU:
+        return acc / (1.0 + tl.exp(-acc))
+    else:
+        return acc
 
 
 @triton.jit
@@ -15,24 +44,19 @@ def conv_verify_kernel(
     stride_x_t, stride_c_slot, stride_c_dim, stride_c_col, stride_w_d, stride_w_j, stride_o_t,
     dim, num_tokens, num_slots, null_slot, max_window,
     WIDTH: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     HISTORY: tl.constexpr = WIDTH - 1
     i_d = tl.program_id(0)
     row = tl.program_id(1)
     offs_d = i_d * BD + tl.arange(0, BD)
     mask_d = offs_d < dim
-    start = tl.maximum(tl.load(qsl_ptr + row), 0)
-    end = tl.minimum(tl.load(qsl_ptr + row + 1), num_tokens)
+    start, length = row_window(qsl_ptr, row, num_tokens, max_window)
     slot = tl.load(state_indices_ptr + row)
-    live = (slot > null_slot) & (slot < num_slots)
-    if live:
-        length = tl.minimum(tl.maximum(end - start, 0), max_window)
+    if is_slot(slot, null_slot, num_slots):
         conv_row = conv_ptr + slot.to(tl.int64) * stride_c_slot + offs_d * stride_c_dim
         for p in range(0, length):
-            if HAS_BIAS:
-                acc = tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-            else:
-                acc = tl.zeros([BD], dtype=tl.float32)
+            acc = conv_start(bias_ptr, offs_d, mask_d, HAS_BIAS, BD)
             for j in tl.static_range(WIDTH):
                 col = p + j                      # position in history ++ window
                 in_history = col < HISTORY
@@ -44,16 +68,62 @@ def conv_verify_kernel(
                 from_x = tl.load(x_ptr + tok * stride_x_t + offs_d,
                                  mask=tl.where(in_history, False, mask_d), other=0.0)
                 seq = tl.where(in_history, from_state.to(tl.float32), from_x.to(tl.float32))
-                w = tl.load(w_ptr + offs_d * stride_w_d + j * stride_w_j, mask=mask_d, other=0.0).to(tl.float32)
-                acc = acc + w * seq
-            if SILU:
-                acc = acc / (1.0 + tl.exp(-acc))
+                acc = conv_output(acc, w_ptr, offs_d, mask_d, stride_w_d, stride_w_j, j, seq)
             tok = (start + p).to(tl.int64)
-            tl.store(out_ptr + tok * stride_o_t + offs_d, acc.to(out_ptr.dtype.element_ty), mask=mask_d)
+            tl.store(out_ptr + tok * stride_o_t + offs_d,
+                     to_storage(activate(acc, SILU), out_ptr.dtype.element_ty, INTERPRETED), mask=mask_d)
             x_p = tl.load(x_ptr + tok * stride_x_t + offs_d, mask=mask_d, other=0.0)
-            tl.store(conv_row + (HISTORY + p) * stride_c_col, x_p.to(conv_ptr.dtype.element_ty), mask=mask_d)
+            tl.store(conv_row + (HISTORY + p) * stride_c_col,
+                     to_storage(x_p, conv_ptr.dtype.element_ty, INTERPRETED), mask=mask_d)
     else:
         zeros = tl.zeros([BD], dtype=out_ptr.dtype.element_ty)
-        for p in range(0, tl.maximum(end - start, 0)):
+        for p in range(0, length):
             tok = (start + p).to(tl.int64)
             tl.store(out_ptr + tok * stride_o_t + offs_d, zeros, mask=mask_d)
+
+
+@triton.jit
+def conv_decode_kernel(
+    x_ptr, conv_ptr, w_ptr, bias_ptr, out_ptr, state_indices_ptr,
+    stride_x_t, stride_c_slot, stride_c_dim, stride_c_col, stride_w_d, stride_w_j, stride_o_t,
+    dim, num_slots, null_slot,
+    WIDTH: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """Row ``r``'s one token: the output of a one-token window, then the history shifted left by
+    one with the token last. Every history column is loaded before any is stored."""
+    HISTORY: tl.constexpr = WIDTH - 1
+    COLS: tl.constexpr = triton.next_power_of_2(WIDTH)
+    i_d = tl.program_id(0)
+    row = tl.program_id(1)
+    offs_d = i_d * BD + tl.arange(0, BD)
+    mask_d = offs_d < dim
+    row64 = row.to(tl.int64)
+    slot = tl.load(state_indices_ptr + row)
+    if is_slot(slot, null_slot, num_slots):
+        conv_row = conv_ptr + slot.to(tl.int64) * stride_c_slot + offs_d * stride_c_dim
+        x_t = tl.load(x_ptr + row64 * stride_x_t + offs_d, mask=mask_d, other=0.0)
+        # The whole history, loaded before anything is stored (as [BD, COLS]; columns >= HISTORY
+        # unused), then the output from it column by column, as conv_verify computes it.
+        cols = tl.arange(0, COLS)[None, :]
+        in_history = (cols < HISTORY) & mask_d[:, None]
+        history = tl.load(conv_row[:, None] + cols * stride_c_col, mask=in_history, other=0.0)
+        acc = conv_start(bias_ptr, offs_d, mask_d, HAS_BIAS, BD)
+        for j in tl.static_range(WIDTH):
+            if j < HISTORY:
+                value = tl.load(conv_row + j * stride_c_col, mask=mask_d, other=0.0).to(tl.float32)
+            else:
+                value = x_t.to(tl.float32)
+            acc = conv_output(acc, w_ptr, offs_d, mask_d, stride_w_d, stride_w_j, j, value)
+        tl.store(out_ptr + row64 * stride_o_t + offs_d,
+                 to_storage(activate(acc, SILU), out_ptr.dtype.element_ty, INTERPRETED), mask=mask_d)
+        # Shift by addressing: stored column c (1 <= c < HISTORY) goes to column c - 1, and the
+        # token, rounded to the state's dtype, to column HISTORY - 1.
+        shifted = tl.where(cols == HISTORY, to_storage(x_t, conv_ptr.dtype.element_ty, INTERPRETED)[:, None],
+                           history)
+        keep = (cols >= 1) & (cols <= HISTORY) & mask_d[:, None]
+        tl.debug_barrier()
+        tl.store(conv_row[:, None] + (cols - 1) * stride_c_col, shifted, mask=keep)
+    else:
+        zeros = tl.zeros([BD], dtype=out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row64 * stride_o_t + offs_d, zeros, mask=mask_d)

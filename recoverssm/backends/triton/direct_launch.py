@@ -12,9 +12,9 @@ arguments Triton would have compiled differently: every pointer's dtype; the 16-
 of pointers Triton specializes on alignment; for integers Triton specializes, whether they are 1
 or multiples of 16; for every integer, whether it needs 64 bits; all constexprs and compile
 options; the device. Launch hooks (``triton.knobs.runtime.launch_enter_hook``) are not called on
-this path. It is used for CUDA tensors only, never under Triton's interpreter; anything
-unexpected (a Triton whose compiled-kernel interface differs) turns it off for good and the
-normal path runs.
+this path. It is used for CUDA tensors only (under Triton's interpreter tensors are on the CPU);
+anything unexpected (a Triton whose compiled-kernel interface differs) turns it off for good and
+the normal path runs.
 
 :meth:`DirectLauncher.bind` goes one step further for a launch that repeats with the very same
 tensors (the commit of an engine that passes its persistent index buffers every step): the key
@@ -26,8 +26,6 @@ import logging
 from typing import Callable, Optional, Sequence
 
 import torch
-
-from .config import interpreting
 
 log = logging.getLogger(__name__)
 INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
@@ -51,11 +49,10 @@ class DirectLauncher:
     def __init__(self, kernel):
         self.kernel = kernel
         self.compiled: dict = {}
-        # Under TRITON_INTERPRET=1 the kernel is an interpreted function: always the plain path.
-        self.enabled = not interpreting() and hasattr(kernel, "params")
+        params = getattr(kernel, "params", None)
+        self.enabled = params is not None
         if not self.enabled:
             return
-        params = kernel.params
         runtime = [p for p in params if not p.is_constexpr]
         if any(p.is_constexpr for p in params[:len(runtime)]):
             raise ValueError(f"{kernel.__name__}: runtime arguments must come before constexprs")

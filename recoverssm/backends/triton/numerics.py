@@ -1,14 +1,6 @@
-"""Rounding and widening helpers shared by the kernels."""
+"""Rounding, widening and index helpers shared by the kernels."""
 import triton
 import triton.language as tl
-
-from .config import interpreting
-
-# A compiled kernel's fp32 -> bf16 cast rounds to nearest even in hardware (one instruction per
-# pair of values on NVIDIA GPUs); Triton's CPU interpreter truncates in that cast, so there the
-# rounding is done on the bits instead. Both give torch's bits for every value but NaN (see
-# ``round_to_bf16``).
-CAST_ROUNDS_TO_NEAREST_EVEN = tl.constexpr(not interpreting())
 
 
 @triton.jit
@@ -23,13 +15,18 @@ def round_to_bf16(x):
 
 
 @triton.jit
-def to_storage(x, DTYPE: tl.constexpr):
-    """Round an fp32 tile to the storage dtype of a state (fp32 or bf16), to nearest even."""
+def to_storage(x, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Round a tile to the dtype it is stored in, to nearest even, on every target.
+
+    A compiled kernel's fp32 -> bf16 cast rounds to nearest even in hardware (one instruction per
+    pair of values on NVIDIA GPUs). Triton's CPU interpreter truncates in that cast, so there
+    (``INTERPRETED``, which launchers set from ``config.interpreting()``) the rounding is done on
+    the bits: both give torch's bits for every value but NaN."""
     if DTYPE == tl.bfloat16:
-        if CAST_ROUNDS_TO_NEAREST_EVEN:
-            return x.to(tl.bfloat16)
+        if INTERPRETED:
+            return round_to_bf16(x.to(tl.float32))
         else:
-            return round_to_bf16(x)
+            return x.to(tl.bfloat16)
     else:
         return x.to(DTYPE)
 
@@ -43,10 +40,27 @@ def to_fp32(x, PTX_WIDEN_BF16: tl.constexpr):
     register with its low 16 bits cleared (one instruction each). ptxas spends three
     instructions per pair on the plain cast (a byte permute and a shift for the high value), and
     the recurrence kernel widens 40 values per token and thread, so this is about 5% of its
-    per-token instructions (docs/BENCHMARKS.md). The result is the same bits either way: a bf16
-    value is the top half of its fp32 value. PTX, so compiled kernels on NVIDIA GPUs only."""
+    per-token instructions. The result is the same bits either way: a bf16 value is the top half
+    of its fp32 value. PTX, so compiled kernels on NVIDIA GPUs only."""
     if PTX_WIDEN_BF16 and x.dtype == tl.bfloat16:
         return tl.inline_asm_elementwise("{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xffff0000; }", "=r,=r,r", [x],
                                          dtype=tl.float32, is_pure=True, pack=2)
     else:
         return x.to(tl.float32)
+
+
+@triton.jit
+def is_slot(value, null_slot, num_slots):
+    """The index rule (``core/indices.py``): above ``null_slot`` and in ``[0, num_slots)``;
+    anything else is padding."""
+    return (value > null_slot) & (value >= 0) & (value < num_slots)
+
+
+@triton.jit
+def row_window(qsl_ptr, row, num_tokens, max_len):
+    """Row ``row``'s first token and length, whatever ``query_start_loc`` holds: both ends clamped
+    to ``[0, num_tokens]``, the length to ``[0, max_len]`` (so no token index leaves the inputs
+    and no difference overflows)."""
+    start = tl.minimum(tl.maximum(tl.load(qsl_ptr + row), 0), num_tokens)
+    end = tl.minimum(tl.maximum(tl.load(qsl_ptr + row + 1), 0), num_tokens)
+    return start, tl.minimum(tl.maximum(end - start, 0), max_len)

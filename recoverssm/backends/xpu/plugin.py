@@ -28,9 +28,12 @@ class XpuBackend(TritonBackend):
     device_types = ("xpu",)
     pointer_encoding = PointerEncoding.UINT64_IN_INT64
 
+    launch_table = LAUNCH_TABLE
+    environment = TritonBackend.environment + (ENV_FORCE,)
+
     @property
-    def launch_table(self):  # type: ignore[override]
-        return {None: INTERPRETER} if self._forced() else LAUNCH_TABLE
+    def table(self):
+        return self._table_override or (INTERPRETER if self._forced() else LAUNCH_TABLE)
 
     @staticmethod
     def _forced() -> bool:

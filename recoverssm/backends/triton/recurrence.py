@@ -1,4 +1,4 @@
-"""Gated DeltaNet recurrence kernel: verify, native decode and snapshot in one source.
+"""The recurrence kernel of GDN and KDA: verify, native decode and snapshot in one source.
 
 One program owns one (batch row, value head, BV rows of V) state tile and walks the row's window
 token by token with the tile in fp32 registers. The three modes are a *runtime* switch of one
@@ -13,7 +13,7 @@ along V (the dimension order makes Triton's default layout put the lanes exactly
 ``k``/``q`` share it: they are loaded broadcast over ``ROW_LANES``, ``offs_k``), and every thread
 keeps ``ROWS x K_CHUNKS`` groups of 4 K-contiguous elements; with the chunks last, a row's
 elements in one thread are adjacent in-thread axes, which ``dot_over_k`` merges into one. The launch table chooses the split
-(``gdn_lanes_k``, ``gdn_rows``). On the H200 the best is 8 lanes along K and 8 rows per thread:
+(``RecurrenceSpec.lanes_k``, ``.rows``). On the H200 the best is 8 lanes along K and 8 rows per thread:
 128 state elements per thread, so each token's fixed work (loading and normalizing ``k`` and
 ``q``, the gates, 3 shuffle steps per reduction) is spread over many elements; with 16 lanes
 along K (the most ``launch.recurrence_tile`` allows) the two reductions need 4 shuffle steps for
@@ -27,11 +27,20 @@ state values per thread) nothing else would hide them.
 multiply-add is explicit: the update ``S = fma(c, k^, S')`` and each thread's chain of products
 in ``dot_over_k``. ``S' = S * d`` is one multiply whose result is both reduced and
 updated. Verify, decode and snapshot execute the same instructions on the same values.
+
+**GDN and KDA.** KDA (``VECTOR_DECAY``) differs only in its gates: the gate input ``a``, the
+bias and the decay are K-vectors, loaded and laid out like ``k`` (broadcast over the row lanes),
+so ``S * decay`` scales column ``j`` by ``decay[j]``; its replay record holds that vector.
+Everything else, the step included, is the same code.
+
+**Indices.** Whatever the values: a slot that is not a slot (``numerics.is_slot``) makes a
+padding row (its outputs zero, nothing else read or written), a snapshot entry that is not a
+slot is skipped, and ``query_start_loc`` is clamped (``numerics.row_window``).
 """
 import triton
 import triton.language as tl
 
-from .numerics import to_fp32, to_storage
+from .numerics import is_slot, row_window, to_fp32, to_storage
 
 MODE_VERIFY = tl.constexpr(0)
 MODE_DECODE = tl.constexpr(1)
@@ -136,11 +145,16 @@ def softplus(x):
 
 
 @triton.jit
+def sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
 def delta_rule_step(S, k_hat, q_hat, v, beta, decay):
     """One token of the gated delta rule on a ``[ROW_LANES, R, K_INNER, K_CHUNKS]`` fp32 tile.
 
     ``k_hat``, ``q_hat``: ``[ROW_LANES, 1, K_INNER, K_CHUNKS]``; ``v``: ``[ROW_LANES, R]``;
-    ``beta``, ``decay``: scalars. Returns the new tile, the correction ``c_t`` ``[ROW_LANES, R]``
+    ``beta``: a scalar; ``decay``: a scalar (GDN) or laid out like ``k_hat`` (KDA). Returns the new tile, the correction ``c_t`` ``[ROW_LANES, R]``
     (the replay record) and the output.
 
     The output uses ``S_new q = S' q + c (k . q)``: both reductions then read ``S'`` and run side
@@ -158,11 +172,13 @@ def delta_rule_step(S, k_hat, q_hat, v, beta, decay):
 
 @triton.jit
 def fetch_token(tok, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, stride_q_t, stride_k_t, stride_v_t, stride_a_t,
-                stride_b_t, q_head, k_head, v_head, hv, offs_k, mask_k, offs_v, mask_v,
-                ALIGNED: tl.constexpr, EXACT_K: tl.constexpr, EXACT_V: tl.constexpr, QK_EVICTION: tl.constexpr):
+                stride_b_t, q_head, k_head, v_head, a_head, hv, offs_k, mask_k, offs_v, mask_v,
+                ALIGNED: tl.constexpr, EXACT_K: tl.constexpr, EXACT_V: tl.constexpr, QK_EVICTION: tl.constexpr,
+                VECTOR_DECAY: tl.constexpr):
     """Issue the loads of one token's inputs, as stored (``k``, ``q`` broadcast over the row
-    lanes, ``v``, the two gate inputs). The token loop fetches token ``t + 1`` before it works on
-    token ``t``, so the loads' latency hides behind a token's arithmetic."""
+    lanes, ``v``, the two gate inputs: ``a`` a K-vector laid out like ``k`` under
+    ``VECTOR_DECAY``). The token loop fetches token ``t + 1`` before it works on token ``t``, so
+    the loads' latency hides behind a token's arithmetic."""
     tok = tok.to(tl.int64)
     k_ptrs = k_ptr + tok * stride_k_t + k_head + offs_k
     q_ptrs = q_ptr + tok * stride_q_t + q_head + offs_k
@@ -172,16 +188,23 @@ def fetch_token(tok, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, stride_q_t, stride_k_t, 
     k_t = load_masked(k_ptrs, mask_k, EXACT_K, QK_EVICTION)
     q_t = load_masked(q_ptrs, mask_k, EXACT_K, QK_EVICTION)
     v_t = load_masked(v_ptr + tok * stride_v_t + v_head + offs_v, mask_v, EXACT_V)
-    a_t = tl.load(a_ptr + tok * stride_a_t + hv)
+    if VECTOR_DECAY:
+        a_t = load_masked(a_ptr + tok * stride_a_t + a_head + offs_k, mask_k, EXACT_K)
+    else:
+        a_t = tl.load(a_ptr + tok * stride_a_t + a_head)
     b_t = tl.load(b_ptr + tok * stride_b_t + hv)
     return k_t, q_t, v_t, a_t, b_t
 
 
 @triton.jit
-def prepare_token(k_t, q_t, v_t, a_t, b_t, neg_A, dt_bias, scale,
-                  GATES_PRECOMPUTED: tl.constexpr, USE_L2NORM: tl.constexpr, PTX_WIDEN_BF16: tl.constexpr):
+def prepare_token(k_t, q_t, v_t, a_t, b_t, gate_scale, dt_bias, scale, lower_bound,
+                  GATES_PRECOMPUTED: tl.constexpr, USE_L2NORM: tl.constexpr, PTX_WIDEN_BF16: tl.constexpr,
+                  LOWER_BOUND: tl.constexpr):
     """One fetched token, ready for the step: ``k^``, ``q^`` (normalized, scaled), ``v``, decay
-    and beta, all fp32."""
+    and beta, all fp32. The decay is ``exp(gate_scale * softplus(a + dt_bias))`` with
+    ``gate_scale = -exp(A_log)``, or with ``LOWER_BOUND`` (KDA's bounded gate)
+    ``exp(lower_bound * sigmoid(gate_scale * (a + dt_bias)))`` with ``gate_scale = exp(A_log)``,
+    or ``exp(g)`` for precomputed gates (a scalar, or a K-vector for KDA)."""
     k_hat = to_fp32(k_t, PTX_WIDEN_BF16)
     q_hat = to_fp32(q_t, PTX_WIDEN_BF16)
     a_t = a_t.to(tl.float32)
@@ -195,8 +218,11 @@ def prepare_token(k_t, q_t, v_t, a_t, b_t, neg_A, dt_bias, scale,
         decay = tl.exp(a_t)
         beta = b_t
     else:
-        decay = tl.exp(neg_A * softplus(a_t + dt_bias))
-        beta = 1.0 / (1.0 + tl.exp(-b_t))
+        if LOWER_BOUND:
+            decay = tl.exp(lower_bound * sigmoid(gate_scale * (a_t + dt_bias)))
+        else:
+            decay = tl.exp(gate_scale * softplus(a_t + dt_bias))
+        beta = sigmoid(b_t)
     return k_hat, q_hat, to_fp32(v_t, PTX_WIDEN_BF16), decay, beta
 
 
@@ -211,23 +237,24 @@ def prepare_token(k_t, q_t, v_t, a_t, b_t, neg_A, dt_bias, scale,
 _TOKEN_POINTERS = ["q_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr", "A_log_ptr", "dt_bias_ptr", "out_ptr",
                    "state_indices_ptr", "qsl_ptr", "corr_ptr", "key_ptr", "decay_ptr", "snapshot_ptr"]
 _RUNTIME_SCALARS = ["stride_q_t", "stride_q_h", "stride_k_t", "stride_k_h", "stride_v_t", "stride_v_h",
-                    "stride_a_t", "stride_b_t", "stride_o_t", "stride_o_h", "stride_snap_row",
-                    "num_tokens", "num_slots", "null_slot", "max_window", "scale", "mode"]
+                    "stride_a_t", "stride_a_h", "stride_b_t", "stride_o_t", "stride_o_h", "stride_snap_row",
+                    "num_tokens", "num_slots", "null_slot", "max_window", "scale", "lower_bound", "mode"]
 
 
 @triton.jit(do_not_specialize=_RUNTIME_SCALARS, do_not_specialize_on_alignment=_TOKEN_POINTERS)
-def gdn_recurrent_kernel(
+def recurrence_kernel(
     q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, out_ptr,
     state_ptr, state_indices_ptr, qsl_ptr,
     corr_ptr, key_ptr, decay_ptr, snapshot_ptr,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
-    stride_a_t, stride_b_t, stride_o_t, stride_o_h,
+    stride_a_t, stride_a_h, stride_b_t, stride_o_t, stride_o_h,
     stride_s_slot, stride_s_h, stride_snap_row,
-    num_tokens, num_slots, null_slot, max_window, scale, mode,
+    num_tokens, num_slots, null_slot, max_window, scale, lower_bound, mode,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, STRIDE_S_V: tl.constexpr,
     K_PAD: tl.constexpr, K_INNER: tl.constexpr, ROWS: tl.constexpr, ROW_LANES: tl.constexpr,
     GATES_PRECOMPUTED: tl.constexpr, USE_L2NORM: tl.constexpr, ALIGNED: tl.constexpr,
-    PTX_WIDEN_BF16: tl.constexpr, L2_HINTS: tl.constexpr,
+    PTX_WIDEN_BF16: tl.constexpr, L2_HINTS: tl.constexpr, VECTOR_DECAY: tl.constexpr,
+    LOWER_BOUND: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     hv = tl.program_id(1)
@@ -243,12 +270,9 @@ def gdn_recurrent_kernel(
     STATE_EVICTION: tl.constexpr = EVICT_FIRST if L2_HINTS else EVICT_NORMAL
     QK_EVICTION: tl.constexpr = EVICT_LAST if L2_HINTS else EVICT_NORMAL
 
-    # The row's tokens, clamped so that no index value can take a load out of bounds.
-    start = tl.maximum(tl.load(qsl_ptr + row), 0)
-    end = tl.minimum(tl.load(qsl_ptr + row + 1), num_tokens)
-    length = tl.minimum(tl.maximum(end - start, 0), max_window)
+    start, length = row_window(qsl_ptr, row, num_tokens, max_window)
     slot = tl.load(state_indices_ptr + row)
-    live = (slot > null_slot) & (slot < num_slots)
+    live = is_slot(slot, null_slot, num_slots)
 
     lane_v = tl.arange(0, ROW_LANES)
     chunk = tl.arange(0, K_CHUNKS)
@@ -265,56 +289,70 @@ def gdn_recurrent_kernel(
     q_head = h * stride_q_h
     k_head = h * stride_k_h
     v_head = hv * stride_v_h
+    a_head = hv * stride_a_h
+    row64 = row.to(tl.int64)
 
     if live:
         state_tile = state_ptr + slot.to(tl.int64) * stride_s_slot + hv * stride_s_h
         S = load_masked(state_tile + tile, mask_tile, EXACT, STATE_EVICTION).to(tl.float32)
         if GATES_PRECOMPUTED:
-            neg_A = 0.0
+            gate_scale = 0.0
             dt_bias = 0.0
         else:
-            neg_A = -tl.exp(tl.load(A_log_ptr + hv))
-            dt_bias = tl.load(dt_bias_ptr + hv)
+            gate_scale = tl.exp(tl.load(A_log_ptr + hv))
+            if not LOWER_BOUND:
+                gate_scale = -gate_scale
+            if VECTOR_DECAY:
+                dt_bias = load_masked(dt_bias_ptr + hv * K + offs_k, mask_k, EXACT_K)
+            else:
+                dt_bias = tl.load(dt_bias_ptr + hv)
         fetched = fetch_token(tl.minimum(start, num_tokens - 1), q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
                               stride_q_t, stride_k_t, stride_v_t, stride_a_t, stride_b_t, q_head, k_head,
-                              v_head, hv, offs_k, mask_k, offs_v, mask_v, ALIGNED, EXACT_K, EXACT_V, QK_EVICTION)
+                              v_head, a_head, hv, offs_k, mask_k, offs_v, mask_v, ALIGNED, EXACT_K, EXACT_V,
+                              QK_EVICTION, VECTOR_DECAY)
         for t in range(0, length):
             k_t, q_t, v_t, a_t, b_t = fetched
             # the next token's loads go out now (the last iteration fetches its own token again)
             fetched = fetch_token(start + tl.minimum(t + 1, length - 1), q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
                                   stride_q_t, stride_k_t, stride_v_t, stride_a_t, stride_b_t, q_head, k_head,
-                                  v_head, hv, offs_k, mask_k, offs_v, mask_v, ALIGNED, EXACT_K, EXACT_V, QK_EVICTION)
-            k_hat, q_hat, v_t, decay, beta = prepare_token(k_t, q_t, v_t, a_t, b_t, neg_A, dt_bias, scale,
-                                                           GATES_PRECOMPUTED, USE_L2NORM, PTX_WIDEN_BF16)
+                                  v_head, a_head, hv, offs_k, mask_k, offs_v, mask_v, ALIGNED, EXACT_K, EXACT_V,
+                                  QK_EVICTION, VECTOR_DECAY)
+            k_hat, q_hat, v_t, decay, beta = prepare_token(k_t, q_t, v_t, a_t, b_t, gate_scale, dt_bias, scale,
+                                                           lower_bound, GATES_PRECOMPUTED, USE_L2NORM,
+                                                           PTX_WIDEN_BF16, LOWER_BOUND)
 
             S, correction, o_t = delta_rule_step(S, k_hat, q_hat, v_t, beta, decay)
 
             tok = (start + t).to(tl.int64)
             store_masked(out_ptr + tok * stride_o_t + hv * stride_o_h + offs_v,
-                         o_t.to(out_ptr.dtype.element_ty), mask_v, EXACT_V)
+                         to_storage(o_t, out_ptr.dtype.element_ty, INTERPRETED), mask_v, EXACT_V)
             if mode == MODE_VERIFY:  # replay records, by batch row and window position
-                rec = (row * HV + hv).to(tl.int64) * max_window + t
+                rec = (row64 * HV + hv) * max_window + t
                 store_masked(corr_ptr + rec * V + offs_v, correction, mask_v, EXACT_V)
                 if i_v == 0:
-                    tl.store(decay_ptr + rec, decay)
+                    # every lane group holds the whole key: lane group j writes chunks j, j + RL, ...
+                    writer = (chunk[None, None, None, :] % ROW_LANES) == lane_v[:, None, None, None]
+                    if VECTOR_DECAY:
+                        tl.store(decay_ptr + rec * K + offs_k, decay, mask=mask_k & writer)
+                    else:
+                        tl.store(decay_ptr + rec, decay)
                     if hv % (HV // H) == 0:   # one program per q/k head writes its key
-                        key_rec = (row * H + h).to(tl.int64) * max_window + t
-                        # every lane group holds the whole key: lane group j writes chunks j, j + RL, ...
-                        writer = (chunk[None, None, None, :] % ROW_LANES) == lane_v[:, None, None, None]
+                        key_rec = (row64 * H + h) * max_window + t
                         tl.store(key_ptr + key_rec * K + offs_k, k_hat, mask=mask_k & writer)
             # State stores, both from inside the loop: the snapshot after every position, and
             # native decode's final state after the last one (into the row's own slot). Keeping
             # decode's store in the loop, behind a per-token slot index, spares the registers
             # that a store after the loop would hold its addresses in for the whole window.
             if mode == MODE_SNAPSHOT:
-                dst = tl.load(snapshot_ptr + row * stride_snap_row + t)
+                dst = tl.load(snapshot_ptr + row64 * stride_snap_row + t)
             else:
                 dst = tl.where((mode == MODE_DECODE) & (t == length - 1), slot, null_slot)
-            if (dst > null_slot) & (dst < num_slots):
+            if is_slot(dst, null_slot, num_slots):
                 dst_tile = state_ptr + dst.to(tl.int64) * stride_s_slot + hv * stride_s_h
-                store_masked(dst_tile + tile, to_storage(S, state_ptr.dtype.element_ty), mask_tile, EXACT)
+                store_masked(dst_tile + tile, to_storage(S, state_ptr.dtype.element_ty, INTERPRETED), mask_tile,
+                             EXACT)
     else:
         zeros = tl.zeros([ROW_LANES, ROWS], dtype=out_ptr.dtype.element_ty)
-        for t in range(0, tl.maximum(end - start, 0)):
+        for t in range(0, length):
             tok = (start + t).to(tl.int64)
             tl.store(out_ptr + tok * stride_o_t + hv * stride_o_h + offs_v, zeros, mask=mask_v)

@@ -1,4 +1,4 @@
-"""Gated DeltaNet recurrence, the readable reference (contract section 2).
+"""The GDN and KDA recurrences, the readable reference.
 
 One function, three modes, so that verify and the native per-token paths run the very same step:
 
@@ -7,7 +7,8 @@ One function, three modes, so that verify and the native per-token paths run the
 * ``snapshot``: the snapshot method; the state after every position goes into its own slot.
 
 Vectorised over rows and heads, a Python loop over window positions. The running state is fp32;
-a bf16 state is rounded only where it is stored.
+a bf16 state is rounded only where it is stored. GDN decays a head's state by one scalar per
+token, KDA by a K-vector (column ``j`` by ``decay[j]``); everything else is the same code.
 """
 from __future__ import annotations
 
@@ -16,17 +17,27 @@ from typing import Optional
 import torch
 
 from ...core.backend import GateInputs
-from .numerics import fma, gdn_gates, l2_normalize, precomputed_gates, tree_sum
+from ...core.indices import is_slot
+from .numerics import fma, gdn_gates, kda_gates, l2_normalize, precomputed_gates, tree_sum
 
 
-def gdn_step(S: torch.Tensor, k_hat: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
-             decay: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def decayed(S: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
+    """``S * d``, one rounding per element: ``d`` a scalar per head ``[R, HV]`` (GDN) or a
+    K-vector per head ``[R, HV, K]`` (KDA, scaling column ``j`` by ``d[..., j]``)."""
+    if decay.dim() == S.dim() - 2:
+        return S * decay[..., None, None]
+    return S * decay[..., None, :]
+
+
+def delta_step(S: torch.Tensor, k_hat: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+               decay: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of the delta rule for a batch of (row, head) states.
 
     ``S``: fp32 ``[R, HV, V, K]``; ``k_hat``: ``[R, HV, K]`` (already per value head);
-    ``v``: ``[R, HV, V]``; ``beta``, ``decay``: ``[R, HV]``. Returns the new state and ``c_t`` ``[R, HV, V]``.
+    ``v``: ``[R, HV, V]``; ``beta``: ``[R, HV]``; ``decay``: ``[R, HV]`` or ``[R, HV, K]``.
+    Returns the new state and ``c_t`` ``[R, HV, V]``.
     """
-    S_decayed = S * decay[..., None, None]
+    S_decayed = decayed(S, decay)
     predicted = tree_sum(S_decayed * k_hat[:, :, None, :])
     correction = beta[..., None] * (v - predicted)
     return fma(correction[..., None], k_hat[:, :, None, :], S_decayed), correction
@@ -35,16 +46,19 @@ def gdn_step(S: torch.Tensor, k_hat: torch.Tensor, v: torch.Tensor, beta: torch.
 def replay_step(S: torch.Tensor, correction: torch.Tensor, k_hat: torch.Tensor,
                 decay: torch.Tensor) -> torch.Tensor:
     """The commit's step: ``S = fma(c, k^, S * d)`` with ``d`` a scalar ``[R, HV]`` or a K-vector ``[R, HV, K]``."""
-    if decay.dim() == S.dim() - 2:
-        S_decayed = S * decay[..., None, None]
-    else:
-        S_decayed = S * decay[..., None, :]
-    return fma(correction[..., None], k_hat[:, :, None, :], S_decayed)
+    return fma(correction[..., None], k_hat[:, :, None, :], decayed(S, decay))
 
 
-def _row_bounds(query_start_loc: torch.Tensor) -> tuple[list[int], list[int]]:
-    qsl = query_start_loc.tolist()
-    return qsl[:-1], [qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)]
+def row_bounds(query_start_loc: torch.Tensor, num_tokens: int,
+               max_len: Optional[int] = None) -> tuple[list[int], list[int]]:
+    """Each row's first token and length, whatever the values: both ends clamped to
+    ``[0, num_tokens]``, the length to ``[0, max_len]`` (the kernels' rule; validation has
+    already refused such values wherever value checks run)."""
+    qsl = [min(max(x, 0), num_tokens) for x in query_start_loc.tolist()]
+    lengths = [max(qsl[i + 1] - qsl[i], 0) for i in range(len(qsl) - 1)]
+    if max_len is not None:
+        lengths = [min(n, max_len) for n in lengths]
+    return qsl[:-1], lengths
 
 
 def _token_inputs(q, k, gates: GateInputs, scale: float, use_qk_l2norm: bool):
@@ -56,28 +70,32 @@ def _token_inputs(q, k, gates: GateInputs, scale: float, use_qk_l2norm: bool):
         k_hat = k.float()
     if gates.precomputed:
         decay, beta = precomputed_gates(gates.g, gates.beta)
+    elif gates.vector_decay:
+        decay, beta = kda_gates(gates.a, gates.b, gates.A_log, gates.dt_bias, gates.lower_bound)
     else:
         decay, beta = gdn_gates(gates.a, gates.b, gates.A_log, gates.dt_bias)
     return q_hat, k_hat, decay, beta
 
 
-def gdn_recurrent(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor,
-                  state_indices: torch.Tensor, query_start_loc: torch.Tensor, gates: GateInputs,
-                  scale: float, use_qk_l2norm: bool, null_slot: int, out: torch.Tensor,
-                  records: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-                  snapshot_slots: Optional[torch.Tensor]) -> None:
-    """See :meth:`recoverssm.core.backend.Backend.gdn_recurrent`.
+def recurrence(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor,
+               state_indices: torch.Tensor, query_start_loc: torch.Tensor, gates: GateInputs,
+               scale: float, use_qk_l2norm: bool, null_slot: int, out: torch.Tensor,
+               records: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+               snapshot_slots: Optional[torch.Tensor]) -> None:
+    """See :meth:`recoverssm.core.backend.Backend.recurrence`.
 
     ``q``, ``k``: ``[T_total, H, K]``; ``v``, ``out``: ``[T_total, HV, V]``; ``state``:
     ``[num_slots, HV, V, K]``; ``records`` = (correction, key, decay) fp32 workspaces.
     """
     H, HV = q.shape[1], v.shape[1]
     group = HV // H
-    starts, lengths = _row_bounds(query_start_loc)
+    max_len = records[0].shape[2] if mode == "verify" else snapshot_slots.shape[1] if mode == "snapshot" else None
+    starts, lengths = row_bounds(query_start_loc, q.shape[0], max_len)
+    num_slots = state.shape[0]
     slots = state_indices.tolist()
-    rows = [r for r in range(len(slots)) if slots[r] > null_slot and lengths[r] > 0]
+    rows = [r for r in range(len(slots)) if is_slot(slots[r], null_slot, num_slots) and lengths[r] > 0]
     for r in range(len(slots)):
-        if slots[r] <= null_slot and lengths[r] > 0:  # padding rows: zero output, nothing else
+        if not is_slot(slots[r], null_slot, num_slots) and lengths[r] > 0:  # padding: zero output, nothing else
             out[starts[r]:starts[r] + lengths[r]] = 0
     if not rows:
         return
@@ -88,7 +106,7 @@ def gdn_recurrent(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         live = [i for i, r in enumerate(rows) if lengths[r] > t]
         tok = [starts[rows[i]] + t for i in live]
         k_t = k_hat[tok]                      # [R, H, K]
-        S_live, c_t = gdn_step(S[live], k_t[:, head_of], v[tok].float(), beta[tok], decay[tok])
+        S_live, c_t = delta_step(S[live], k_t[:, head_of], v[tok].float(), beta[tok], decay[tok])
         S[live] = S_live
         o_t = tree_sum(S_live * q_hat[tok][:, head_of, None, :])
         out[tok] = o_t.to(out.dtype)
@@ -101,7 +119,7 @@ def gdn_recurrent(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         elif mode == "snapshot":
             for i in live:
                 dst = int(snapshot_slots[rows[i], t])
-                if dst > null_slot:
+                if is_slot(dst, null_slot, num_slots):
                     state[dst] = S[i].to(state.dtype)
     if mode == "decode":
         for i, r in enumerate(rows):

@@ -1,0 +1,406 @@
+"""The argument checks of every op, one function per op family.
+
+The ops (``core/ops.py``) call these before their backend does anything, so a call that raises
+has written nothing. Shapes are taken from the persistent buffers first (the state pool, the
+records workspace, the conv state), so that when a per-step tensor disagrees with them the error
+names the per-step tensor and says where the expected size came from.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+
+from .backend import GateInputs
+from .indices import INT32_MAX, is_request
+from .plan import plan_rows
+from .validation import FLOAT_DTYPES, STATE_DTYPES, Checker, wants_value_checks
+
+F32 = (torch.float32,)
+
+
+class RecordDims(NamedTuple):
+    """The sizes a records workspace was allocated for."""
+    max_batch: int
+    H: int
+    HV: int
+    max_window: int
+    K: int
+    V: int
+    vector_decay: bool
+
+
+def check_records(c: Checker, name: str, correction, key, decay,
+                  vector_decay: Optional[bool] = None) -> RecordDims:
+    """``correction [max_batch, HV, max_window, V]``, ``key [max_batch, H, max_window, K]``,
+    ``decay [max_batch, HV, max_window]`` (scalar decay) or ``[..., K]`` (vector decay), all fp32
+    and contiguous. ``vector_decay``: the kind the caller needs (``None``: either)."""
+    c.tensor(f"{name}.correction", correction, dims=4, dtypes=F32, contiguous=True)
+    c.tensor(f"{name}.key", key, dims=4, dtypes=F32, contiguous=True)
+    mb, HV, T, V = correction.shape
+    H, K = key.shape[1], key.shape[3]
+    for what, size in (("max_batch", mb), ("HV", HV), ("max_window", T), ("V", V), ("H", H), ("K", K)):
+        c.size(name, size, what)
+    c.tensor(f"{name}.key", key, shape=(mb, H, T, K), why=f" (max_batch, max_window from {name}.correction)")
+    if not isinstance(decay, torch.Tensor) or decay.dim() not in (3, 4):
+        c.tensor(f"{name}.decay", decay, dims=3)
+    vector = decay.dim() == 4
+    if vector_decay is not None and vector != vector_decay:
+        have, want = ("a vector decay (KDA)", "a scalar decay (GDN)") if vector else ("a scalar decay (GDN)",
+                                                                                       "a vector decay (KDA)")
+        c.fail(name, f"hold {have}; this op records {want}: allocate them with "
+                     f"vector_decay={not vector}")
+    c.tensor(f"{name}.decay", decay, dtypes=F32, contiguous=True,
+             shape=(mb, HV, T, K) if vector else (mb, HV, T), why=f" (from {name}.correction and .key)")
+    if HV % H:
+        c.fail(name, f"have {HV} value heads, not a multiple of their {H} key heads")
+    return RecordDims(mb, H, HV, T, K, V, vector)
+
+
+# ------------------------------------------------------------------------------------------------
+# conv
+# ------------------------------------------------------------------------------------------------
+def check_conv(op: str, x, conv_state, weight, bias, state_indices, query_start_loc, null_slot: int,
+               out, check: Optional[bool]) -> None:
+    """``conv_verify`` (``query_start_loc`` given) and ``conv_decode`` (``None``: one token per row)."""
+    c = Checker(op, conv_state.device if isinstance(conv_state, torch.Tensor) else torch.device("cpu"))
+    c.tensor("conv_state", conv_state, dims=3, dtypes=FLOAT_DTYPES)
+    num_slots, dim, cols = conv_state.shape
+    c.size("conv_state", dim, "conv_dim")
+    c.tensor("weight", weight, dims=2, dtypes=FLOAT_DTYPES)
+    c.tensor("weight", weight, shape=(dim, None), why=" (conv_dim from conv_state)")
+    width = c.size("weight", weight.shape[1], "width (taps)")
+    history = width - 1
+    window = cols - history
+    decoding = query_start_loc is None
+    if window < (0 if decoding else 1):
+        c.fail("conv_state", f"has {cols} columns, fewer than {'the' if decoding else 'room for a window after the'} "
+                             f"{history} history columns of a width-{width} conv")
+    c.tensor("x", x, dims=2, dtypes=FLOAT_DTYPES, last_contiguous=True)
+    c.tensor("x", x, shape=(None, dim), why=" (conv_dim from conv_state)")
+    T = x.shape[0]
+    if bias is not None:
+        c.tensor("bias", bias, dtypes=FLOAT_DTYPES, shape=(dim,), why=" (conv_dim from conv_state)")
+    c.index("state_indices", state_indices)
+    B = state_indices.shape[0]
+    if decoding:
+        c.tensor("x", x, shape=(B, dim), why=" (one token per row of state_indices)")
+    else:
+        c.index("query_start_loc", query_start_loc, B + 1)
+    c.tensor("out", out, dtypes=FLOAT_DTYPES, shape=(T, dim), last_contiguous=True, why=" (the shape of x)")
+    null_slot = c.null_slot(null_slot)
+    c.writes([("out", out), ("conv_state", conv_state)],
+             [("x", x), ("weight", weight), ("bias", bias), ("state_indices", state_indices),
+              ("query_start_loc", query_start_loc)])
+    if wants_value_checks(check, c.device):
+        c.slots_in_range("state_indices", state_indices, num_slots, null_slot)
+        slots = state_indices.tolist()
+        if decoding:
+            lengths = [1] * B
+        else:
+            qsl = c.query_start_loc("query_start_loc", query_start_loc, T, window)
+            lengths = [qsl[r + 1] - qsl[r] for r in range(B)]
+        c.distinct_writes("state_indices", [(r, s) for r, s in enumerate(slots)
+                                            if s > null_slot and lengths[r] > 0], [])
+
+
+# ------------------------------------------------------------------------------------------------
+# the recurrence (GDN and KDA; verify, decode, snapshot)
+# ------------------------------------------------------------------------------------------------
+class RecurrenceArgs(NamedTuple):
+    gates: GateInputs
+    scale: float
+
+
+def _check_gates(c: Checker, kind: str, T: int, HV: int, K: int, a, b, A_log, dt_bias, g, beta,
+                 lower_bound) -> GateInputs:
+    per_token = (T, HV, K) if kind == "kda" else (T, HV)
+    bias_shape = (HV, K) if kind == "kda" else (HV,)
+    raw = [x is not None for x in (a, b, A_log, dt_bias)]
+    pre = [x is not None for x in (g, beta)]
+    if any(raw) and any(pre):
+        c.fail("g", "and beta cannot be given together with a, b, A_log, dt_bias; pass one gate form")
+    if lower_bound is not None and (isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float))):
+        c.fail("lower_bound", f"must be a float or None, got {type(lower_bound).__name__}", TypeError)
+    why = " (HV from state)" if kind == "gdn" else " (HV and K from state)"
+    if all(pre):
+        if lower_bound is not None:
+            c.fail("lower_bound", "selects a gate form of a and dt_bias; it cannot go with precomputed g")
+        c.tensor("g", g, dtypes=FLOAT_DTYPES, shape=per_token, last_contiguous=True, why=why)
+        c.tensor("beta", beta, dtypes=FLOAT_DTYPES, shape=(T, HV), last_contiguous=True, why=" (HV from state)")
+        return GateInputs(g=g, beta=beta, kind=kind)
+    if all(raw):
+        c.tensor("a", a, dtypes=FLOAT_DTYPES, shape=per_token, last_contiguous=True, why=why)
+        c.tensor("b", b, dtypes=FLOAT_DTYPES, shape=(T, HV), last_contiguous=True, why=" (HV from state)")
+        c.tensor("A_log", A_log, dtypes=F32, shape=(HV,), contiguous=True, why=" (HV from state)")
+        c.tensor("dt_bias", dt_bias, dtypes=F32, shape=bias_shape, contiguous=True, why=why)
+        return GateInputs(a=a, b=b, A_log=A_log, dt_bias=dt_bias, kind=kind,
+                          lower_bound=None if lower_bound is None else float(lower_bound))
+    missing = [n for n, given in zip(("a", "b", "A_log", "dt_bias"), raw) if not given]
+    if any(pre):
+        missing = [n for n, given in zip(("g", "beta"), pre) if not given]
+    c.fail(missing[0], "is missing: pass a, b, A_log and dt_bias, or g and beta")
+
+
+def check_recurrence(op: str, kind: str, mode: str, q, k, v, state, state_indices, query_start_loc,
+                     a, b, A_log, dt_bias, g, beta, scale, use_qk_l2norm, null_slot: int, out,
+                     records: Optional[tuple], snapshot_slots, lower_bound,
+                     check: Optional[bool]) -> RecurrenceArgs:
+    """Every check of ``{gdn,kda}_{verify,decode,spec_decode_snapshot}``. ``records``:
+    ``(correction, key, decay)`` in verify, else ``None``; ``snapshot_slots`` in snapshot mode."""
+    c = Checker(op, state.device if isinstance(state, torch.Tensor) else torch.device("cpu"))
+    c.tensor("state", state, dims=4, dtypes=STATE_DTYPES, last_contiguous=True)
+    num_slots, HV, V, K = state.shape
+    for what, size in (("HV", HV), ("V", V), ("K", K)):
+        c.size("state", size, what)
+    H = None
+    if records is not None:
+        rec = check_records(c, "records", *records, vector_decay=(kind == "kda"))
+        if (rec.HV, rec.V, rec.K) != (HV, V, K):
+            c.fail("records", f"were allocated for HV={rec.HV}, V={rec.V}, K={rec.K}; "
+                              f"state has HV={HV}, V={V}, K={K}")
+        H = rec.H
+    c.tensor("q", q, dims=3, dtypes=FLOAT_DTYPES, last_contiguous=True)
+    T = q.shape[0]
+    if H is None:
+        H = c.size("q", q.shape[1], "H (q/k heads)")
+    c.tensor("q", q, shape=(T, H, K), why=f" (K = {K} from state" + (f", H = {H} from records)" if records else ")"))
+    c.tensor("k", k, dtypes=(q.dtype,), shape=(T, H, K), last_contiguous=True, why=" (the shape of q)")
+    c.tensor("v", v, dtypes=(q.dtype,), shape=(T, HV, V), last_contiguous=True,
+             why=f" (HV = {HV}, V = {V} from state; T from q)")
+    if HV % H:
+        c.fail("q", f"has {H} q/k heads; the state's {HV} value heads are not a multiple of it")
+    if T > INT32_MAX:
+        c.fail("q", f"has {T} tokens, more than the {INT32_MAX} a call can index")
+    c.index("state_indices", state_indices)
+    B = state_indices.shape[0]
+    c.index("query_start_loc", query_start_loc, B + 1)
+    if records is not None and rec.max_batch < B:
+        c.fail("records", f"have room for {rec.max_batch} rows, the batch has {B}")
+    if snapshot_slots is not None:
+        c.tensor("snapshot_slots", snapshot_slots, dims=2, dtypes=(torch.int32,), contiguous=True)
+        c.tensor("snapshot_slots", snapshot_slots, shape=(B, None), why=" (one row per row of state_indices)")
+    gates = _check_gates(c, kind, T, HV, K, a, b, A_log, dt_bias, g, beta, lower_bound)
+    if scale is None:
+        scale = K ** -0.5
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        c.fail("scale", f"must be a float, got {type(scale).__name__}", TypeError)
+    if not isinstance(use_qk_l2norm, bool):
+        c.fail("use_qk_l2norm", f"must be a bool, got {type(use_qk_l2norm).__name__}", TypeError)
+    null_slot = c.null_slot(null_slot)
+    c.tensor("out", out, dtypes=FLOAT_DTYPES, shape=(T, HV, V), last_contiguous=True, why=" (the shape of v)")
+    written = [("out", out)]
+    read = [("q", q), ("k", k), ("v", v), ("state_indices", state_indices), ("query_start_loc", query_start_loc),
+            ("a", a), ("b", b), ("A_log", A_log), ("dt_bias", dt_bias), ("g", g), ("beta", beta),
+            ("snapshot_slots", snapshot_slots)]
+    if records is not None:
+        written += [("records.correction", records[0]), ("records.key", records[1]), ("records.decay", records[2])]
+        read.append(("state", state))
+    else:
+        written.append(("state", state))
+    c.writes(written, read)
+    if wants_value_checks(check, c.device):
+        _recurrence_values(c, mode, state_indices, query_start_loc, snapshot_slots, num_slots, null_slot, T,
+                           records[0].shape[2] if records is not None else None)
+    return RecurrenceArgs(gates, float(scale))
+
+
+def _recurrence_values(c: Checker, mode: str, state_indices, query_start_loc, snapshot_slots, num_slots: int,
+                       null_slot: int, T: int, max_window: Optional[int]) -> None:
+    c.slots_in_range("state_indices", state_indices, num_slots, null_slot)
+    window = snapshot_slots.shape[1] if snapshot_slots is not None else max_window
+    qsl = c.query_start_loc("query_start_loc", query_start_loc, T, window)
+    if mode == "verify":
+        return
+    slots = state_indices.tolist()
+    live = [r for r, s in enumerate(slots) if s > null_slot and qsl[r + 1] > qsl[r]]
+    if mode == "decode":
+        c.distinct_writes("state_indices", [(r, slots[r]) for r in live], [])
+        return
+    c.slots_in_range("snapshot_slots", snapshot_slots, num_slots, null_slot)
+    snaps = snapshot_slots.tolist()
+    writes = [(r, s) for r in live for s in snaps[r][:qsl[r + 1] - qsl[r]] if s > null_slot]
+    c.distinct_writes("snapshot_slots", writes, [(r, slots[r]) for r in live])
+
+
+# ------------------------------------------------------------------------------------------------
+# the commit plan and the commit step
+# ------------------------------------------------------------------------------------------------
+def check_step_shapes(c: Checker, num_accepted, state_indices, query_start_loc, request_indices,
+                      block_table, num_computed_tokens, block_size, suffix: str = "",
+                      checked: Optional[set] = None) -> tuple[int, Optional[int]]:
+    """Shape/dtype checks of one KV-cache group's step metadata. Returns ``(B, block_size)``.
+
+    ``checked``: ids of tensors this call has already passed through the same checks (groups
+    usually share ``num_accepted``, ``query_start_loc`` and often their index tensors); they are
+    skipped, and the ids of the tensors checked here are added."""
+    checked = set() if checked is None else checked
+
+    def first_time(x) -> bool:
+        new = id(x) not in checked
+        checked.add(id(x))
+        return new
+
+    if first_time(num_accepted):
+        c.index("num_accepted", num_accepted)
+    num_requests = num_accepted.shape[0]
+    if first_time(state_indices):
+        c.index("state_indices" + suffix, state_indices)
+    B = state_indices.shape[0]
+    c.index("query_start_loc", query_start_loc, B + 1)
+    if request_indices is not None:
+        c.index("request_indices" + suffix, request_indices, B)
+    elif num_requests < B:
+        c.fail("num_accepted", f"has {num_requests} requests for a batch of {B} rows; "
+                               "pass request_indices when the batch rows are not the requests")
+    if (block_table is None) != (num_computed_tokens is None):
+        c.fail("num_computed_tokens" + suffix if block_table is not None else "block_table" + suffix,
+               "is required in align mode: pass block_table and num_computed_tokens together")
+    if block_table is not None:
+        if first_time(block_table):
+            c.tensor("block_table" + suffix, block_table, dims=2, dtypes=(torch.int32,), last_contiguous=True)
+        if block_table.shape[0] != num_requests:
+            c.fail("block_table" + suffix, f"has {block_table.shape[0]} rows, num_accepted has {num_requests} requests")
+        if block_table.shape[1] < 1:
+            c.fail("block_table" + suffix, "has no columns")
+        if first_time(num_computed_tokens):
+            c.index("num_computed_tokens" + suffix, num_computed_tokens, num_requests)
+        if block_size is None:
+            c.fail("block_size" + suffix, "is required in align mode")
+        block_size = c.integer("block_size" + suffix, block_size, minimum=1)
+    return B, block_size
+
+
+def check_step_values(c: Checker, num_accepted, state_indices, query_start_loc, request_indices,
+                      block_table, num_computed_tokens, block_size, null_slot: int, num_slots: int,
+                      max_len: Optional[int], suffix: str = "") -> None:
+    """Host-side value checks of one group's step (the index rule, ``core/indices.py``): slots,
+    request rows, ``num_accepted`` within each live row's window, ``num_computed_tokens >= 0``,
+    the final block within the table's width; and no two rows writing one slot, or writing a
+    slot another row reads (that would race on a GPU)."""
+    num_requests = num_accepted.shape[0]
+    qsl = c.query_start_loc("query_start_loc", query_start_loc, INT32_MAX, max_len)
+    c.slots_in_range("state_indices" + suffix, state_indices, num_slots, null_slot)
+    srcs = state_indices.tolist()
+    req = request_indices.tolist() if request_indices is not None else list(range(len(srcs)))
+    if request_indices is not None:
+        for r, q in enumerate(req):
+            if not is_request(q, num_requests):
+                c.fail("request_indices" + suffix, f"entry {r} = {q} is not a request row in [0, {num_requests})")
+    accepted = num_accepted.tolist()
+    for r, src in enumerate(srcs):
+        length = qsl[r + 1] - qsl[r]
+        if src > null_slot and not 0 <= accepted[req[r]] <= length:
+            c.fail("num_accepted", f"entry {req[r]} = {accepted[req[r]]} is outside [0, {length}], "
+                                   f"the window of batch row {r}" + (f" of group{suffix}" if suffix else ""))
+    nct = None
+    if num_computed_tokens is not None:
+        nct = num_computed_tokens.tolist()
+        for q, n in enumerate(nct):
+            if n < 0:
+                c.fail("num_computed_tokens" + suffix, f"entry {q} = {n} is negative")
+        width = block_table.shape[1]
+        for r, src in enumerate(srcs):
+            n = min(accepted[req[r]], qsl[r + 1] - qsl[r])
+            if src > null_slot and n > 0 and (nct[req[r]] + n - 1) // block_size >= width:
+                c.fail("block_table" + suffix, f"has {width} columns; batch row {r} (request {req[r]}, "
+                                               f"{nct[req[r]]} tokens computed, {n} accepted) ends in block "
+                                               f"{(nct[req[r]] + n - 1) // block_size}")
+    plan = plan_rows(accepted, srcs, qsl, req if request_indices is not None else None,
+                     None if block_table is None else block_table.tolist(), nct,
+                     block_size or 1, null_slot, INT32_MAX)
+    writes = []
+    for r, (n, final, boundary, _) in enumerate(plan):
+        for what, slot in (("final", final), ("boundary", boundary)):
+            if slot > null_slot:
+                if slot >= num_slots:
+                    c.fail("block_table" + suffix, f"gives row {r} the {what} slot {slot}, outside [0, {num_slots})")
+                writes.append((r, slot))
+    live_sources = [(r, srcs[r]) for r, p in enumerate(plan) if p[0] > 0]
+    c.distinct_writes("block_table" + suffix if block_table is not None else "state_indices" + suffix,
+                      writes, live_sources)
+
+
+def check_plan(op: str, num_accepted, state_indices, query_start_loc, request_indices, block_table,
+               num_computed_tokens, block_size, null_slot, num_slots, check: Optional[bool]) -> tuple:
+    """``plan_commit``: returns ``(B, block_size, null_slot, num_slots)``."""
+    device = num_accepted.device if isinstance(num_accepted, torch.Tensor) else torch.device("cpu")
+    c = Checker(op, device)
+    B, block_size = check_step_shapes(c, num_accepted, state_indices, query_start_loc, request_indices,
+                                      block_table, num_computed_tokens, block_size)
+    null_slot = c.null_slot(null_slot)
+    num_slots = INT32_MAX if num_slots is None else c.integer("num_slots", num_slots, minimum=0)
+    if wants_value_checks(check, device):
+        check_step_values(c, num_accepted, state_indices, query_start_loc, request_indices, block_table,
+                          num_computed_tokens, block_size, null_slot, num_slots, None)
+    return B, block_size, null_slot, num_slots
+
+
+# ------------------------------------------------------------------------------------------------
+# the layers of a commit
+# ------------------------------------------------------------------------------------------------
+class LayerTensors(NamedTuple):
+    """One layer of a commit, as the commit op receives it."""
+    state: torch.Tensor
+    correction: torch.Tensor
+    key: torch.Tensor
+    decay: torch.Tensor
+    conv_state: Optional[torch.Tensor]
+    conv_width: int          # 0 without a conv state
+    group: int
+
+
+def check_layers(c: Checker, layers: Sequence[LayerTensors], max_batch: int, capabilities: frozenset,
+                 backend_name: str) -> None:
+    """Every layer's tensors against each other and against every other layer's: no layer may
+    share memory with another (the same layer or state listed twice would commit twice)."""
+    names = layer_names(layers)
+    for name, layer in zip(names, layers):
+        _check_layer(c, name, layer, max_batch, capabilities, backend_name)
+    # States and conv states are written; records are written by each layer's verify: all of
+    # them must be disjoint, within a layer and across layers.
+    fields = (("state", "state"), ("conv_state", "conv_state"), ("correction", "records.correction"),
+              ("key", "records.key"), ("decay", "records.decay"))
+    c.writes([(f"{name}.{label}", getattr(layer, field)) for name, layer in zip(names, layers)
+              for field, label in fields], [])
+
+
+def layer_names(layers: Sequence[LayerTensors]) -> list[str]:
+    """``groups[g][j]``: how the caller of a :class:`~recoverssm.CommitContext` named each layer."""
+    seen: dict[int, int] = {}
+    names = []
+    for layer in layers:
+        j = seen.get(layer.group, 0)
+        seen[layer.group] = j + 1
+        names.append(f"groups[{layer.group}][{j}]")
+    return names
+
+
+def _check_layer(c: Checker, where: str, layer: LayerTensors, max_batch: int, capabilities: frozenset,
+                 backend_name: str) -> None:
+    rec = check_records(c, f"{where}.records", layer.correction, layer.key, layer.decay)
+    if rec.vector_decay and "vector_decay" not in capabilities:
+        c.fail(f"{where}.records", f"hold a vector decay (KDA), which backend {backend_name!r} cannot commit")
+    c.tensor(f"{where}.state", layer.state, dims=4, dtypes=STATE_DTYPES, last_contiguous=True)
+    c.tensor(f"{where}.state", layer.state, shape=(None, rec.HV, rec.V, rec.K),
+             why=f" (HV, V, K of {where}.records)")
+    if layer.state.dtype == torch.bfloat16 and "bf16_state" not in capabilities:
+        c.fail(f"{where}.state", f"is bf16, which backend {backend_name!r} cannot commit")
+    if rec.max_batch < max_batch:
+        c.fail(f"{where}.records", f"have room for {rec.max_batch} rows, max_batch is {max_batch}")
+    if layer.conv_state is None:
+        if layer.conv_width:
+            c.fail(f"{where}.conv_width", "is given without a conv_state")
+        return
+    c.tensor(f"{where}.conv_state", layer.conv_state, dims=3, dtypes=FLOAT_DTYPES)
+    slots, dim, cols = layer.conv_state.shape
+    c.size(f"{where}.conv_state", dim, "conv_dim")
+    if slots != layer.state.shape[0]:
+        c.fail(f"{where}.conv_state", f"has {slots} slots, {where}.state has {layer.state.shape[0]}")
+    width = layer.conv_width
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        c.fail(f"{where}.conv_width", f"must be the conv kernel's width (an int >= 1) when a conv_state "
+                                      f"is given, got {width!r}", TypeError if not isinstance(width, int) else ValueError)
+    if cols < width - 1 + rec.max_window:
+        c.fail(f"{where}.conv_state", f"has {cols} columns, fewer than the {width - 1} history columns of a "
+                                      f"width-{width} conv plus the records' window of {rec.max_window}")
