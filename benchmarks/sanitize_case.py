@@ -1,57 +1,132 @@
-"""One representative align-mode grouped commit (conv compaction included), repeated with the
-same tensors (the bound launch of repeated steps), the same commit of a bf16 state (the bf16
-commit tile), again with out-of-range slots, one verify and one native decode, for
-``compute-sanitizer --tool memcheck`` and ``--tool racecheck`` (see docs/TESTING.md).
+"""Every kernel once on legal inputs, then again with adversarial index values and the value checks
+off, for ``compute-sanitizer --tool memcheck`` and ``--tool racecheck`` (see docs/TESTING.md).
 
-    compute-sanitizer --tool memcheck python benchmarks/sanitize_case.py
-    compute-sanitizer --tool racecheck python benchmarks/sanitize_case.py
+    compute-sanitizer --tool memcheck --error-exitcode 9 python benchmarks/sanitize_case.py
+    compute-sanitizer --tool racecheck --error-exitcode 9 python benchmarks/sanitize_case.py
+
+Legal: conv_verify, conv_decode, gdn_verify, kda_verify, gdn_decode, gdn_spec_decode_snapshot, an
+align-mode grouped commit of two KV-cache groups with conv compaction (repeated with the same
+tensors, which repeats the bound launch), a bf16 commit and a mixed GDN + KDA commit.
+Adversarial (``check=False``: shapes are checked, values are not): slots between ``null_slot`` and
+0, past the pool, the int32 extremes; ``query_start_loc`` that decreases, runs past the tokens,
+or is negative; ``num_accepted`` negative and huge; request rows out of range; block tables with
+entries between ``null_slot`` and 0 and ``num_computed_tokens`` near 2^31. The script then checks
+that guard slots around the pools were not written.
 """
 import torch
 
 import recoverssm as rs
 from recoverssm.bench.problems import align_step, window
-from recoverssm.core.backend import GroupStep
+
+I32 = torch.int32
+INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
+NULL = -3                 # a null slot below -1, so that -2 and -1 are "between null_slot and 0"
+GUARD = 2                 # guard slots on each side of every pool
 
 
-def main() -> None:
+def guarded(pool: torch.Tensor):
+    """``(full, middle)``: a pool with GUARD sentinel slots on each side, and its middle."""
+    full = torch.full((pool.shape[0] + 2 * GUARD, *pool.shape[1:]), 123.0, dtype=pool.dtype, device=pool.device)
+    full[GUARD:-GUARD] = pool
+    return full, full[GUARD:-GUARD]
+
+
+def assert_guards(name: str, full: torch.Tensor) -> None:
+    for part in (full[:GUARD], full[-GUARD:]):
+        assert bool((part == 123.0).all()), f"{name}: a guard slot was written"
+
+
+def legal_calls() -> None:
     H, HV, K, V, T, R = 16, 32, 128, 128, 4, 6
     w = window(R, T, H, HV, K, V, extra_slots=4)
-    conv_in = torch.randn(R * T, 64, device="cuda")
-    conv_state = torch.randn(R * 3, 64, 3 + T, device="cuda")
-    weight = torch.randn(64, 4, device="cuda")
     step = align_step(R, T, block_size=4)
+    conv_state = torch.randn(step.num_slots, 64, 3 + T, device="cuda")
+    conv_in = torch.randn(R * T, 64, device="cuda")
+    weight = torch.randn(64, 4, device="cuda")
     rs.conv_verify(conv_in, conv_state, weight, None, state_indices=step.state_indices,
                    query_start_loc=step.query_start_loc)
+    rs.conv_decode(conv_in[:R], conv_state, weight, None, state_indices=step.state_indices)
     w.state_indices.copy_(step.state_indices)
     state = torch.randn(step.num_slots, HV, V, K, device="cuda")
     rs.gdn_verify(w.q, w.k, w.v, state=state, state_indices=w.state_indices,
                   query_start_loc=w.query_start_loc, records=w.records, **w.gates())
-    ctx = rs.CommitContext([[rs.LayerCache(state, w.records, conv_state)],
-                            [rs.LayerCache(state.clone(), w.records)]], max_batch=R)
-    ctx.commit(step.num_accepted, step.state_indices, step.query_start_loc,
-               block_table=step.block_table, num_computed_tokens=step.num_computed_tokens,
-               block_size=step.block_size, check=True)
+    ctx = rs.CommitContext([[rs.LayerCache(state, w.records, conv_state, conv_width=4)],
+                            [rs.LayerCache(state.clone(), rs.ReplayRecords.allocate(R, T, H, HV, K, V, device="cuda"))]],
+                           max_batch=R)
+    align = dict(block_table=step.block_table, num_computed_tokens=step.num_computed_tokens, block_size=step.block_size)
+    ctx.commit(step.num_accepted, step.state_indices, step.query_start_loc, check=True, **align)
     for _ in range(3):   # the same tensors again: the third call repeats the launch bound by the second
-        ctx.commit(step.num_accepted, step.state_indices, step.query_start_loc, block_table=step.block_table,
-                   num_computed_tokens=step.num_computed_tokens, block_size=step.block_size)
-    assert ctx._committer._repeat is not None, "the repeated commit launch was not bound"
-    # bf16 pool (its own commit tile); then the same step with one slot far out of range and one
-    # null, past the argument checks: nothing may be read or written for those rows.
+        ctx.commit(step.num_accepted, step.state_indices, step.query_start_loc, **align)
     bf16_state = state.to(torch.bfloat16)
-    bf16_ctx = rs.CommitContext([[rs.LayerCache(bf16_state, w.records)]], max_batch=R)
-    bf16_ctx.commit(step.num_accepted, step.state_indices, step.query_start_loc,
-                    block_table=step.block_table, num_computed_tokens=step.num_computed_tokens,
-                    block_size=step.block_size, check=True)
-    bad = step.state_indices.clone()
-    bad[0], bad[1] = 10**6, -1
-    bf16_ctx._committer.commit(step.num_accepted, step.query_start_loc,
-                               [GroupStep(bad, None, step.block_table, step.num_computed_tokens, step.block_size)])
+    rs.CommitContext([[rs.LayerCache(bf16_state, w.records)]], max_batch=R).commit(
+        step.num_accepted, step.state_indices, step.query_start_loc, check=True, **align)
+    # KDA verify, then a context with a GDN and a KDA layer (one launch each)
+    krec = rs.ReplayRecords.allocate(R, T, H, HV, K, V, device="cuda", vector_decay=True)
+    kstate = torch.randn(step.num_slots, HV, V, K, device="cuda")
+    ka = torch.randn(R * T, HV, K, device="cuda").to(torch.bfloat16)
+    kbias = torch.randn(HV, K, device="cuda")
+    rs.kda_verify(w.q, w.k, w.v, state=kstate, state_indices=w.state_indices, query_start_loc=w.query_start_loc,
+                  records=krec, a=ka, b=w.b, A_log=w.A_log, dt_bias=kbias)
+    rs.CommitContext([[rs.LayerCache(state, w.records), rs.LayerCache(kstate, krec)]], max_batch=R).commit(
+        step.num_accepted, step.state_indices, step.query_start_loc, check=True, **align)
     rs.gdn_decode(w.q, w.k, w.v, state=state, state_indices=w.state_indices, query_start_loc=w.query_start_loc,
                   **w.gates())
+    snaps = torch.arange(R * T, dtype=I32, device="cuda").view(R, T) % step.num_slots
+    snap_pool = torch.randn(step.num_slots + R * T, HV, V, K, device="cuda")
+    rs.gdn_spec_decode_snapshot(w.q, w.k, w.v, state=snap_pool, state_indices=w.state_indices + R * T,
+                                query_start_loc=w.query_start_loc, snapshot_slots=snaps, **w.gates())
+
+
+def adversarial_calls() -> None:
+    H, HV, K, V, T, R = 4, 8, 64, 64, 4, 8
+    slots = torch.tensor([NULL + 1, -1, 5, INT32_MAX, INT32_MIN, 1, 6, 2], dtype=I32, device="cuda")
+    qsl = torch.tensor([0, 4, 3, 9, 40, -5, 8, 12, 100], dtype=I32, device="cuda")   # decreasing, past T, negative
+    w = window(R, T, H, HV, K, V)
+    full_state, state = guarded(w.state[:6].clone())
+    out = torch.zeros_like(w.v)
+    rs.gdn_verify(w.q, w.k, w.v, state=state, state_indices=slots, query_start_loc=qsl, records=w.records,
+                  null_slot=NULL, out=out, check=False, **w.gates())
+    rs.gdn_decode(w.q, w.k, w.v, state=state, state_indices=slots, query_start_loc=qsl, null_slot=NULL, out=out,
+                  check=False, **w.gates())
+    snaps = torch.tensor([[NULL + 1, 9, INT32_MIN, 3]] * R, dtype=I32, device="cuda")
+    rs.gdn_spec_decode_snapshot(w.q, w.k, w.v, state=state, state_indices=slots, query_start_loc=qsl,
+                                snapshot_slots=snaps, null_slot=NULL, out=out, check=False, **w.gates())
+    krec = rs.ReplayRecords.allocate(R, T, H, HV, K, V, device="cuda", vector_decay=True)
+    rs.kda_verify(w.q, w.k, w.v, state=state, state_indices=slots, query_start_loc=qsl, records=krec,
+                  a=torch.randn(R * T, HV, K, device="cuda"), b=w.b, A_log=w.A_log,
+                  dt_bias=torch.randn(HV, K, device="cuda"), null_slot=NULL, check=False)
+    full_conv, conv = guarded(torch.randn(6, 32, 3 + T, device="cuda"))
+    x = torch.randn(R * T, 32, device="cuda")
+    rs.conv_verify(x, conv, torch.randn(32, 4, device="cuda"), None, state_indices=slots, query_start_loc=qsl,
+                   null_slot=NULL, check=False)
+    rs.conv_decode(x[:R], conv, torch.randn(32, 4, device="cuda"), None, state_indices=slots, null_slot=NULL,
+                   check=False)
+    # commits: a block table with entries between null_slot and 0 and past the pool, computed
+    # tokens near 2^31, accepted counts negative and huge, request rows out of range
+    block_table = torch.tensor([[NULL + 1, 0], [1, -2], [INT32_MAX, 2], [3, 4], [5, NULL + 1], [0, 1], [2, 3],
+                                [4, 5]], dtype=I32, device="cuda")
+    computed = torch.tensor([0, INT32_MAX - 2, 3, INT32_MAX, 1, -7, 2, 5], dtype=I32, device="cuda")
+    accepted = torch.tensor([3, 2, -4, INT32_MAX, 1, 2, INT32_MIN, 4], dtype=I32, device="cuda")
+    requests = torch.tensor([0, 1, 9, -1, 4, 5, 6, 7], dtype=I32, device="cuda")
+    ctx = rs.CommitContext([[rs.LayerCache(state, w.records, conv, conv_width=4)],
+                            [rs.LayerCache(guarded(w.state[:6].clone())[1], krec)]], max_batch=R, null_slot=NULL)
+    for _ in range(2):
+        ctx.commit(accepted, slots, qsl, request_indices=requests, block_table=[block_table, None],
+                   num_computed_tokens=[computed, None], block_size=[4, None], check=False)
+        ctx.commit(accepted, slots, qsl, check=False)
+    rs.plan_commit(accepted, slots, qsl, request_indices=requests, block_table=block_table,
+                   num_computed_tokens=computed, block_size=2**30, null_slot=NULL, num_slots=6, check=False)
     torch.cuda.synchronize()
-    print("sanitize case ran: conv_verify, gdn_verify, grouped align commit with conv compaction "
-          "(repeated through the bound launch), "
-          "bf16 commits (one with out-of-range slots), gdn_decode")
+    assert_guards("state", full_state)
+    assert_guards("conv_state", full_conv)
+
+
+def main() -> None:
+    legal_calls()
+    adversarial_calls()
+    torch.cuda.synchronize()
+    print("sanitize case ran: every kernel on legal inputs (the repeated commit through its bound launch, bf16, "
+          "GDN + KDA), then with adversarial indices and value checks off; guard slots intact")
 
 
 if __name__ == "__main__":

@@ -87,7 +87,9 @@ def conv_decode(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
     decode-only pool may have exactly ``history`` columns). The output is the same arithmetic as
     :func:`conv_verify` for a window of one token, and afterwards the history holds its last
     ``history - 1`` inputs followed by ``x[r]`` (rounded to ``conv_state.dtype``): ``n`` calls
-    leave the conv state as :func:`conv_verify` of the ``n`` tokens and a commit of all of them.
+    leave the conv state as :func:`conv_verify` of the ``n`` tokens and a commit of all of them,
+    bit for bit, and give :func:`conv_verify`'s outputs where ``conv_state`` holds ``x`` exactly
+    (verify reads a window's earlier tokens from ``x``, decode from the rounded history).
     Returns ``out`` ``[B, conv_dim]`` in ``x.dtype`` (padding rows: zeros, history untouched).
     """
     name = "conv_decode"
