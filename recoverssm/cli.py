@@ -152,8 +152,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from recoverssm import check
-    return check.main(args)
+    from recoverssm.check import cli as check_cli
+    return check_cli.main(args)
 
 
 def cmd_bench(argv: Sequence[str]) -> int:
@@ -185,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     pd.set_defaults(func=cmd_demo)
 
     pc = sub.add_parser("check", help="run a backend against cpu_ref on random problems")
-    from recoverssm.check import add_arguments as check_arguments
+    from recoverssm.check.cli import add_arguments as check_arguments
     check_arguments(pc)
     pc.set_defaults(func=cmd_check)
 

@@ -113,6 +113,13 @@ def test_check_cpu_ref_passes(capsys):
     assert report["counts"]["pass"] > 20
 
 
+def test_check_bad_device_is_a_usage_error(capsys):
+    """A ``--device`` torch cannot parse: one line naming it and exit 2, as the other commands."""
+    assert cli.main(["check", "--device", "bogus"]) == 2
+    err = capsys.readouterr().err
+    assert "--device 'bogus'" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
 class _OneUlpOffDecode(CpuRefBackend):
     """cpu_ref whose decode nudges one state element by one ulp: within every tolerance, but no
     longer bit-identical to the commit."""
