@@ -144,11 +144,8 @@ def cmd_info(args: argparse.Namespace) -> int:
 # demo, check, bench
 # ------------------------------------------------------------------------------------------------
 def cmd_demo(args: argparse.Namespace) -> int:
-    if getattr(args, "tp", None) is not None:
-        from recoverssm.demo import tp
-        return tp.main(args)
-    from recoverssm.demo import run
-    return run.main(args)
+    from recoverssm.demo import cli as demo_cli
+    return demo_cli.main(args)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -180,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pd = sub.add_parser("demo", help="speculative decoding of a tiny GDN model, checked bit for bit "
                                      "against per-token decoding")
-    from recoverssm.demo.run import add_arguments as demo_arguments
+    from recoverssm.demo.cli import add_arguments as demo_arguments
     demo_arguments(pd)
     pd.set_defaults(func=cmd_demo)
 

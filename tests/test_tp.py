@@ -367,7 +367,7 @@ def test_tp_cli_under_torchrun():
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(port),
-           "-m", "recoverssm", "demo", "--tp", "2", "--steps", "3", "--layers", "2",
+           "-m", "recoverssm", "demo", "--tp", "2", "--device", "cpu", "--steps", "3", "--layers", "2",
            "--requests", "3", "--json"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
