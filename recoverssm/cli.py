@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 import torch
 
 import recoverssm
+from recoverssm.build_info import ENV_COMMIT, package_version, source_commit
 from recoverssm.core.registry import ENV_BACKEND, registry
 
 
@@ -73,11 +74,12 @@ def _devices() -> list[dict]:
 def collect_info() -> dict:
     """Everything ``recoverssm info`` reports, as plain data."""
     info = {
-        "recoverssm": recoverssm.__version__,
+        "recoverssm": package_version(),
+        "commit": source_commit(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "triton": _triton_version(),
-        "env": {k: os.environ[k] for k in (ENV_BACKEND, "RECOVERSSM_CHECK", "TRITON_INTERPRET")
+        "env": {k: os.environ[k] for k in (ENV_BACKEND, "RECOVERSSM_CHECK", ENV_COMMIT, "TRITON_INTERPRET")
                 if k in os.environ},
         "devices": _devices(),
         "backends": [],
@@ -107,7 +109,8 @@ def collect_info() -> dict:
 
 
 def _print_info(info: dict) -> None:
-    print(f"recoverssm {info['recoverssm']}  (python {info['python']}, torch {info['torch']}, "
+    commit = f" (commit {info['commit']})" if info["commit"] else ""
+    print(f"recoverssm {info['recoverssm']}{commit}  (python {info['python']}, torch {info['torch']}, "
           f"triton {info['triton']})")
     for k, v in info["env"].items():
         print(f"  {k}={v}")
