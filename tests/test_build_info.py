@@ -52,7 +52,7 @@ def test_version_stamp(monkeypatch):
     (dict(version="0.1.0", commit="abc1234"), "recoverssm 0.1.0  commit abc1234"),
     (dict(version="0.1.0", commit=None), "recoverssm 0.1.0"),
     (dict(commit="abc"), "commit abc"),
-])
+], ids=["checkout", "installed", "results-without-version"])
 def test_bench_stamp(results, want):
     from recoverssm.bench import suites
 
