@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 import torch
 
 import recoverssm
+from recoverssm.build_info import ENV_COMMIT, package_version, source_commit
 from recoverssm.core.registry import ENV_BACKEND, registry
 
 
@@ -73,11 +74,12 @@ def _devices() -> list[dict]:
 def collect_info() -> dict:
     """Everything ``recoverssm info`` reports, as plain data."""
     info = {
-        "recoverssm": recoverssm.__version__,
+        "recoverssm": package_version(),
+        "commit": source_commit(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "triton": _triton_version(),
-        "env": {k: os.environ[k] for k in (ENV_BACKEND, "RECOVERSSM_CHECK", "TRITON_INTERPRET")
+        "env": {k: os.environ[k] for k in (ENV_BACKEND, "RECOVERSSM_CHECK", ENV_COMMIT, "TRITON_INTERPRET")
                 if k in os.environ},
         "devices": _devices(),
         "backends": [],
@@ -107,7 +109,8 @@ def collect_info() -> dict:
 
 
 def _print_info(info: dict) -> None:
-    print(f"recoverssm {info['recoverssm']}  (python {info['python']}, torch {info['torch']}, "
+    commit = f" (commit {info['commit']})" if info["commit"] else ""
+    print(f"recoverssm {info['recoverssm']}{commit}  (python {info['python']}, torch {info['torch']}, "
           f"triton {info['triton']})")
     for k, v in info["env"].items():
         print(f"  {k}={v}")
@@ -144,16 +147,13 @@ def cmd_info(args: argparse.Namespace) -> int:
 # demo, check, bench
 # ------------------------------------------------------------------------------------------------
 def cmd_demo(args: argparse.Namespace) -> int:
-    if getattr(args, "tp", None) is not None:
-        from recoverssm.demo import tp
-        return tp.main(args)
-    from recoverssm.demo import run
-    return run.main(args)
+    from recoverssm.demo import cli as demo_cli
+    return demo_cli.main(args)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from recoverssm import check
-    return check.main(args)
+    from recoverssm.check import cli as check_cli
+    return check_cli.main(args)
 
 
 def cmd_bench(argv: Sequence[str]) -> int:
@@ -180,12 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     pd = sub.add_parser("demo", help="speculative decoding of a tiny GDN model, checked bit for bit "
                                      "against per-token decoding")
-    from recoverssm.demo.run import add_arguments as demo_arguments
+    from recoverssm.demo.cli import add_arguments as demo_arguments
     demo_arguments(pd)
     pd.set_defaults(func=cmd_demo)
 
     pc = sub.add_parser("check", help="run a backend against cpu_ref on random problems")
-    from recoverssm.check import add_arguments as check_arguments
+    from recoverssm.check.cli import add_arguments as check_arguments
     check_arguments(pc)
     pc.set_defaults(func=cmd_check)
 

@@ -1,10 +1,18 @@
-"""Shared problem builders and an independent float64 reference for the cpu_ref test suite.
+"""The tests' problem builders, and an independent float64 reference for the cpu_ref tests.
 
 Nothing here calls the math of the code under test: the reference recurrence, gates, l2norm and
 conv are written again in float64, straight from the contract (section 2).
 
-A problem is assembled from per-row data (each row's tokens and starting state come from its own
-seed), so the same row can be placed in different batches and compared bit for bit.
+Two ways to build a GDN :class:`Problem`:
+
+* :func:`make_problem` / :func:`assemble` (the cpu_ref tests): a batch assembled from per-row
+  data (each row's tokens and starting state come from its own seed), so the same row can be
+  placed in different batches and compared bit for bit;
+* :func:`make_batch_problem` (the kernel and backend tests): the whole batch from one seed, on any
+  device, with q/k/v strided views of one fused projection, shuffled source slots, padding rows
+  and optionally gates at the edges of their range.
+
+:func:`conv_problem` and :func:`align_case` give the kernel tests' conv and align-mode inputs.
 """
 from __future__ import annotations
 
@@ -102,26 +110,33 @@ class Problem:
     qsl: torch.Tensor
     lens: list
     rows: list = field(default_factory=list)
+    window: Optional[int] = None            # the records' window (default: the longest row)
 
     @property
     def B(self) -> int:
         return len(self.lens)
 
     @property
+    def T(self) -> int:
+        """The window the records are allocated for."""
+        return self.window or max(max(self.lens, default=1), 1)
+
+    @property
     def T_total(self) -> int:
         return self.q.shape[0]
 
-    def call_kwargs(self, state: Optional[torch.Tensor] = None) -> dict:
+    def call_kwargs(self, state: Optional[torch.Tensor] = None, **over) -> dict:
+        """Keyword arguments of the GDN ops (state, indices, gates), ``over`` taking precedence."""
         kw = dict(state=self.state if state is None else state, state_indices=self.state_indices,
                   query_start_loc=self.qsl)
         kw.update(self.gates)
+        kw.update(over)
         return kw
 
     def records(self, max_batch: Optional[int] = None, max_window: Optional[int] = None):
         d = self.dims
-        return rs.ReplayRecords.allocate(max_batch or max(self.B, 1),
-                                         max_window or max(max(self.lens, default=1), 1),
-                                         d.H, d.HV, d.K, d.V)
+        return rs.ReplayRecords.allocate(max_batch or max(self.B, 1), max_window or self.T,
+                                         d.H, d.HV, d.K, d.V, device=self.q.device)
 
 
 def assemble(rows: list, slots: list, *, dims: Dims = Dims(), num_slots: Optional[int] = None,
@@ -185,26 +200,106 @@ def make_problem(lens, slots=None, *, dims: Dims = Dims(), seed: int = 0, act_dt
                     fused=fused, state_dtype=state_dtype)
 
 
+def make_batch_problem(lengths, *, H=2, HV=4, K=16, V=16, T=None, padding=(), state_dtype=F32,
+                       act_dtype=F32, precomputed_gates=False, device="cpu", seed=0,
+                       num_slots: Optional[int] = None, extreme=False,
+                       sources_below: Optional[int] = None) -> Problem:
+    """The whole batch from one seed. ``lengths``: tokens per row; rows listed in ``padding`` get
+    ``state_indices = -1``; ``T``: the records' window (default: the longest row).
+
+    q, k, v are strided views into one fused projection output ``[T_total, 2*H*K + HV*V + pad]``,
+    as an engine's in-projection would give them. Source slots are distinct and shuffled, drawn
+    from ``[1, sources_below)`` (default: the whole pool but slot 0). ``extreme``: gates at the
+    edges (decay ~1 and ~0, beta ~0 and ~1, ``a`` past the softplus switch).
+    """
+    g = torch.Generator().manual_seed(seed)
+    T = T or max(max(lengths), 1)
+    total = sum(lengths)
+    width = 2 * H * K + HV * V + 8
+    fused = torch.randn(total, width, generator=g).to(act_dtype)
+    q = fused[:, :H * K].view(total, H, K)
+    k = fused[:, H * K:2 * H * K].view(total, H, K)
+    v = fused[:, 2 * H * K:2 * H * K + HV * V].view(total, HV, V)
+    if extreme:
+        a = torch.tensor([-30.0, 25.0, 0.0, 60.0], dtype=F32).repeat(total, (HV + 3) // 4)[:, :HV]
+        b = torch.tensor([-20.0, 20.0, 0.5, -0.5], dtype=F32).repeat(total, (HV + 3) // 4)[:, :HV]
+        A_log = torch.linspace(-4, 3, HV)
+    else:
+        a = torch.randn(total, HV, generator=g) * 2
+        b = torch.randn(total, HV, generator=g) * 2
+        A_log = torch.randn(HV, generator=g)
+    dt_bias = torch.randn(HV, generator=g)
+    if precomputed_gates:
+        x = a + dt_bias
+        sp = torch.where(x > 20, x, torch.log1p(torch.exp(x)))
+        gates = dict(g=(-torch.exp(A_log) * sp).contiguous(), beta=torch.sigmoid(b))
+    else:
+        gates = dict(a=a.to(act_dtype), b=b.to(act_dtype), A_log=A_log, dt_bias=dt_bias)
+    num_slots = num_slots or 2 * len(lengths) + 3
+    state = (torch.randn(num_slots, HV, V, K, generator=g) * 0.5).to(state_dtype)
+    perm = torch.randperm((sources_below or num_slots) - 1, generator=g)[:len(lengths)] + 1
+    slots = [(-1 if r in padding else int(perm[r])) for r in range(len(lengths))]
+    to = dict(device=device)
+    return Problem(Dims(H, HV, K, V), q.to(**to), k.to(**to), v.to(**to),
+                   {n: t.to(**to) for n, t in gates.items()}, state.to(**to), i32(slots).to(**to),
+                   qsl_of(lengths).to(**to), list(lengths), window=T)
+
+
+def conv_problem(device, lens, dim=24, width=4, T=4, dtype=F32, seed=0):
+    """``(x, conv_state, weight, bias, state_indices, query_start_loc)`` of a conv layer on
+    ``device``: ``x`` a strided view, row 1 padding, a history of ``width - 1`` plus ``T`` columns."""
+    g = torch.Generator().manual_seed(seed)
+    total = sum(lens)
+    num_slots = 2 * len(lens) + 2
+    conv_state = torch.randn(num_slots, dim, width - 1 + T, generator=g).to(dtype)
+    x = torch.randn(total, dim + 5, generator=g).to(dtype)[:, 2:2 + dim]
+    weight = torch.randn(dim, width, generator=g).to(dtype)
+    bias = torch.randn(dim, generator=g).to(dtype)
+    slots = torch.tensor([2 * r + 1 if r != 1 else -1 for r in range(len(lens))], dtype=I32)
+    qsl = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=I32)
+    return [t.to(device) for t in (x, conv_state, weight, bias, slots, qsl)]
+
+
+def align_case(device, num_slots):
+    """Five requests, block size 4: inside a block; crossing a boundary; starting and ending exactly
+    on boundaries (the final block holds the boundary state, so no separate boundary write); a
+    boundary block that is the source slot itself; a null final block (writes nothing).
+
+    Returns ``(align-mode keyword arguments, num_accepted, source slots)``."""
+    bs = 4
+    block_table = torch.tensor([[1, 2, 3, -1], [4, 5, 6, -1], [7, 8, 9, -1], [10, 11, 12, -1],
+                                [13, -1, -1, -1]], dtype=I32)
+    num_computed = torch.tensor([1, 2, 4, 6, 3], dtype=I32)
+    accepted = torch.tensor([2, 4, 4, 3, 2], dtype=I32)
+    sources = [1, 4, 14, 11, 13]      # row 3: source is block 11, also its boundary block
+    return dict(block_table=block_table.to(device), num_computed_tokens=num_computed.to(device),
+                block_size=bs), accepted.to(device), sources
+
+
 # ------------------------------------------------------------------------------------------------
 # running the library
 # ------------------------------------------------------------------------------------------------
 def run_verify(p: Problem, records=None, **kw):
+    """``gdn_verify`` of ``p`` into ``records`` (default: new ones); ``kw`` adds or overrides
+    arguments (``backend``, ``scale``, ``out``, ``state``, ...). Returns ``(out, records)``."""
     if records is None:
         records = p.records()
-    out = rs.gdn_verify(p.q, p.k, p.v, records=records, **p.call_kwargs(), **kw)
+    out = rs.gdn_verify(p.q, p.k, p.v, records=records, **p.call_kwargs(**kw))
     return out, records
 
 
 def take_prefix(p: Problem, ns) -> tuple:
     """Inputs of a batch that keeps only the first ``min(ns[r], len_r)`` tokens of each row:
-    ``(q, k, v, gates, qsl)``."""
+    ``(q, k, v, gates, qsl)``, on the problem's device."""
     qsl = p.qsl.tolist()
+    device = p.q.device
     keep = [min(max(int(n), 0), p.lens[r]) for r, n in enumerate(ns)]
-    idx = torch.tensor([qsl[r] + t for r in range(p.B) for t in range(keep[r])], dtype=torch.long)
+    idx = torch.tensor([qsl[r] + t for r in range(p.B) for t in range(keep[r])], dtype=torch.long,
+                       device=device)
     gates = {}
     for name, t in p.gates.items():
         gates[name] = t if name in ("A_log", "dt_bias") else t[idx]
-    return p.q[idx], p.k[idx], p.v[idx], gates, qsl_of(keep)
+    return p.q[idx], p.k[idx], p.v[idx], gates, qsl_of(keep).to(device)
 
 
 def decode_after(p: Problem, ns, pool: Optional[torch.Tensor] = None, **kw) -> torch.Tensor:
@@ -307,7 +402,8 @@ def ref_conv(x: torch.Tensor, history: torch.Tensor, weight: torch.Tensor,
 # comparisons
 # ------------------------------------------------------------------------------------------------
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    x, ref = x.double(), ref.double()
+    """``|x - ref| / |ref|`` (Frobenius norms) in float64 on the CPU (``x`` may be on a device)."""
+    x, ref = x.double().cpu(), ref.double().cpu()
     denom = ref.norm().item()
     assert denom > 0, "reference is all zeros: the comparison would be meaningless"
     return (x - ref).norm().item() / denom

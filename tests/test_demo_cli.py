@@ -77,11 +77,26 @@ def test_demo_detects_a_one_ulp_difference(monkeypatch):
 
 
 def test_demo_cli_json(capsys):
-    rc = cli.main(["demo", "--requests", "2", "--draft-tokens", "2", "--steps", "2", "--layers", "2", "--json"])
+    rc = cli.main(["demo", "--device", "cpu", "--requests", "2", "--draft-tokens", "2", "--steps", "2",
+                   "--layers", "2", "--json"])
     assert rc == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["ok"] and summary["tokens_match"] and summary["backend"] == "cpu_ref"
     assert summary["memory"]["slots_per_request_snapshot"] == 3
+
+
+@pytest.mark.parametrize("present, want", [(("cuda", "xpu"), "cuda"), (("xpu",), "xpu"), ((), "cpu")])
+def test_commands_default_to_the_gpu(monkeypatch, present, want):
+    """Without ``--device``, demo and check run where the default backend is: cuda if torch sees
+    an NVIDIA GPU, else xpu if it sees an Intel GPU, else the CPU; the TP demo only on cuda (NCCL)."""
+    import recoverssm.cli_support as support
+    from recoverssm.check.cli import default_device as check_default
+
+    monkeypatch.setattr(support, "accelerator_available", lambda device_type: device_type in present)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert support.default_device() == torch.device(want)
+    assert check_default(None) == torch.device(want)
+    assert support.default_device(("cuda",)).type == ("cuda" if "cuda" in present else "cpu")
 
 
 # ---- info ------------------------------------------------------------------------------------------
@@ -111,6 +126,13 @@ def test_check_cpu_ref_passes(capsys):
     report = json.loads(capsys.readouterr().out)
     assert rc == 0 and report["passed"], [i for i in report["items"] if i["status"] != "pass"]
     assert report["counts"]["pass"] > 20
+
+
+def test_check_bad_device_is_a_usage_error(capsys):
+    """A ``--device`` torch cannot parse: one line naming it and exit 2, as the other commands."""
+    assert cli.main(["check", "--device", "bogus"]) == 2
+    err = capsys.readouterr().err
+    assert "--device 'bogus'" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
 class _OneUlpOffDecode(CpuRefBackend):

@@ -1,8 +1,4 @@
 """Align mode (prefix caching): the plan worked out by hand, and the states it writes."""
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(__file__))
 
 import pytest
 import torch

@@ -1,8 +1,4 @@
 """A row's outputs, records and committed state do not depend on the batch it arrives in."""
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(__file__))
 
 import pytest
 import torch

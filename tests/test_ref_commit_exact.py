@@ -1,8 +1,4 @@
 """The commit of verify's records is bit-identical to the native per-token path (contract section 2)."""
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(__file__))
 
 import random
 

@@ -7,10 +7,6 @@ The expected values are computed with exact rational arithmetic (``fractions.Fra
 correctly rounded to fp32 here, independently of the library's fma helper. Records are written by
 the test, so every value is known exactly.
 """
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(__file__))
 
 from fractions import Fraction
 

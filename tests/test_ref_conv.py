@@ -1,8 +1,4 @@
 """conv_verify against an independent computation, and conv compaction through the commit."""
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(__file__))
 
 import pytest
 import torch

@@ -1,8 +1,4 @@
 """Grouped commit: several KV-cache groups with their own slots / block tables, in one call."""
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(__file__))
 
 import pytest
 import torch
@@ -152,8 +148,8 @@ def test_same_value_for_all_groups_and_context_reuse():
     exp1, exp2 = p1.state.clone(), p2.state.clone()
     for step in ns:
         # verify from the current state, then commit: two speculative steps in a row
-        for p, l in ((p1, l1), (p2, l2)):
-            rs.gdn_verify(p.q, p.k, p.v, records=l.records, **p.call_kwargs(state=l.state))
+        for p, cache in ((p1, l1), (p2, l2)):
+            rs.gdn_verify(p.q, p.k, p.v, records=cache.records, **p.call_kwargs(state=cache.state))
         ctx.commit(i32(step), p1.state_indices, p1.qsl)
         exp1 = decode_after(p1, step, pool=exp1)
         exp2 = decode_after(p2, step, pool=exp2)

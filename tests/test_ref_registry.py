@@ -1,11 +1,8 @@
 """Backend registry: selection order, errors, entry-point plugins (contract section 6)."""
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(__file__))
-
 import importlib
 import itertools
+import os
+import sys
 import textwrap
 
 import pytest

@@ -1,9 +1,5 @@
 """Bad inputs: one case per validation rule. Each asserts the exception type, that the message
 starts with the op and names the argument (``"<op>: <name> ..."``), and that no tensor changed."""
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(__file__))
 
 import pytest
 import torch
@@ -446,29 +442,29 @@ CONTEXT_CASES = [
     ("layer not a LayerCache", setk("groups", lambda kw: [[kw["groups"][0][0].state]]), TE, "groups[0][0]"),
     ("max_batch zero", setk("max_batch", lambda kw: 0), VE, "max_batch"),
     ("max_batch a float", setk("max_batch", lambda kw: 3.0), TE, "max_batch"),
-    ("records not ReplayRecords", group0_mut(lambda l: rs.LayerCache(l.state, (1, 2, 3))), TE, "groups[0][0].records"),
-    ("records key 3 dims", group0_mut(lambda l: rs.LayerCache(l.state, rs.ReplayRecords(
-        l.records.correction, l.records.key[0], l.records.decay))), VE, "groups[0][0].records.key"),
-    ("records correction 2 dims", group0_mut(lambda l: rs.LayerCache(l.state, rs.ReplayRecords(
-        l.records.correction[0, 0], l.records.key, l.records.decay))), VE, "groups[0][0].records.correction"),
-    ("records key not a tensor", group0_mut(lambda l: rs.LayerCache(l.state, rs.ReplayRecords(
-        l.records.correction, None, l.records.decay))), TE, "groups[0][0].records.key"),
-    ("records too few rows", group0_mut(lambda l: rs.LayerCache(l.state, records_like(2, 4))), VE, "groups[0][0].records"),
-    ("state float16", group0_mut(lambda l: rs.LayerCache(l.state.half(), l.records)), TE, "groups[0][0].state"),
-    ("state K differs from records", group0_mut(lambda l: rs.LayerCache(l.state, records_like(3, 4, K=32))),
+    ("records not ReplayRecords", group0_mut(lambda cache: rs.LayerCache(cache.state, (1, 2, 3))), TE, "groups[0][0].records"),
+    ("records key 3 dims", group0_mut(lambda cache: rs.LayerCache(cache.state, rs.ReplayRecords(
+        cache.records.correction, cache.records.key[0], cache.records.decay))), VE, "groups[0][0].records.key"),
+    ("records correction 2 dims", group0_mut(lambda cache: rs.LayerCache(cache.state, rs.ReplayRecords(
+        cache.records.correction[0, 0], cache.records.key, cache.records.decay))), VE, "groups[0][0].records.correction"),
+    ("records key not a tensor", group0_mut(lambda cache: rs.LayerCache(cache.state, rs.ReplayRecords(
+        cache.records.correction, None, cache.records.decay))), TE, "groups[0][0].records.key"),
+    ("records too few rows", group0_mut(lambda cache: rs.LayerCache(cache.state, records_like(2, 4))), VE, "groups[0][0].records"),
+    ("state float16", group0_mut(lambda cache: rs.LayerCache(cache.state.half(), cache.records)), TE, "groups[0][0].state"),
+    ("state K differs from records", group0_mut(lambda cache: rs.LayerCache(cache.state, records_like(3, 4, K=32))),
      VE, "groups[0][0].state"),
-    ("state last dim strided", group0_mut(lambda l: rs.LayerCache(strided_last(l.state), l.records)),
+    ("state last dim strided", group0_mut(lambda cache: rs.LayerCache(strided_last(cache.state), cache.records)),
      VE, "groups[0][0].state"),
-    ("records key not contiguous", group0_mut(lambda l: rs.LayerCache(l.state, rs.ReplayRecords(
-        l.records.correction, l.records.key.transpose(0, 1).contiguous().transpose(0, 1), l.records.decay))),
+    ("records key not contiguous", group0_mut(lambda cache: rs.LayerCache(cache.state, rs.ReplayRecords(
+        cache.records.correction, cache.records.key.transpose(0, 1).contiguous().transpose(0, 1), cache.records.decay))),
      VE, "groups[0][0].records.key"),
-    ("conv_state slot count", group0_mut(lambda l: rs.LayerCache(l.state, l.records, conv_state=torch.zeros(3, 8, 7))),
+    ("conv_state slot count", group0_mut(lambda cache: rs.LayerCache(cache.state, cache.records, conv_state=torch.zeros(3, 8, 7))),
      VE, "groups[0][0].conv_state"),
-    ("conv_state narrower than the window", group0_mut(lambda l: rs.LayerCache(l.state, l.records,
-                                                                               conv_state=torch.zeros(NUM_SLOTS, 8, 3))),
+    ("conv_state narrower than the window", group0_mut(lambda cache: rs.LayerCache(cache.state, cache.records,
+                                                                                   conv_state=torch.zeros(NUM_SLOTS, 8, 3))),
      VE, "groups[0][0].conv_state"),
-    ("conv_state int", group0_mut(lambda l: rs.LayerCache(l.state, l.records,
-                                                          conv_state=torch.zeros(NUM_SLOTS, 8, 7, dtype=torch.int32))),
+    ("conv_state int", group0_mut(lambda cache: rs.LayerCache(cache.state, cache.records,
+                                                              conv_state=torch.zeros(NUM_SLOTS, 8, 7, dtype=torch.int32))),
      TE, "groups[0][0].conv_state"),
     ("layers on two devices", setk("groups", lambda kw: [kw["groups"][0], [rs.LayerCache(
         on_meta(kw["groups"][1][0].state), kw["groups"][1][0].records)]]), VE, "groups[1][0].state"),

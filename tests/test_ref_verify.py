@@ -1,8 +1,4 @@
 """gdn_verify (and the native paths) against an independent float64 step-by-step reference."""
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(__file__))
 
 import pytest
 import torch

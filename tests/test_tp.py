@@ -145,8 +145,8 @@ def run_ops(p: dict, shard: HeadShard | None = None) -> dict:
                            state=vh(lw["state"]).clone(), conv_state=chan(lw["conv_state"]).clone(),
                            records=rs.ReplayRecords.allocate(R, T, H, HV, K, V)))
     G = len(p["block_sizes"])
-    ctx = rs.CommitContext([[rs.LayerCache(l["state"], l["records"], conv_state=l["conv_state"])
-                             for l in layers if l["group"] == gi] for gi in range(G)],
+    ctx = rs.CommitContext([[rs.LayerCache(layer["state"], layer["records"], conv_state=layer["conv_state"])
+                             for layer in layers if layer["group"] == gi] for gi in range(G)],
                            max_batch=R, backend="cpu_ref")
     tables = [t.tolist() for t in p["tables"]]
     nc = list(p["num_computed"])
@@ -159,17 +159,17 @@ def run_ops(p: dict, shard: HeadShard | None = None) -> dict:
             src = [_source(tables[gi][q], nc[q], bs) for q in range(R)]
             src[3] = -1                                    # request 3: a padding row
             sources.append(torch.tensor(src, dtype=I32))
-        for li, l in enumerate(layers):
-            si_ = sources[l["group"]]
-            y = rs.conv_verify(chan(st["x"][li]), l["conv_state"], l["conv_w"], l["conv_b"],
+        for li, layer in enumerate(layers):
+            si_ = sources[layer["group"]]
+            y = rs.conv_verify(chan(st["x"][li]), layer["conv_state"], layer["conv_w"], layer["conv_b"],
                                state_indices=si_, query_start_loc=qsl, backend="cpu_ref")
             hk = H * K
             q_, k_ = y[:, :hk].unflatten(-1, (H, K)), y[:, hk:2 * hk].unflatten(-1, (H, K))
             v_ = y[:, 2 * hk:].unflatten(-1, (HV, V))
-            o = rs.gdn_verify(q_, k_, v_, state=l["state"], state_indices=si_, query_start_loc=qsl,
-                              records=l["records"], a=vh(st["a"][li]), b=vh(st["b"][li]),
-                              A_log=l["A_log"], dt_bias=l["dt_bias"], backend="cpu_ref")
-            rec = l["records"]
+            o = rs.gdn_verify(q_, k_, v_, state=layer["state"], state_indices=si_, query_start_loc=qsl,
+                              records=layer["records"], a=vh(st["a"][li]), b=vh(st["b"][li]),
+                              A_log=layer["A_log"], dt_bias=layer["dt_bias"], backend="cpu_ref")
+            rec = layer["records"]
             out[f"s{si}.l{li}.conv_out"] = y.clone()
             out[f"s{si}.l{li}.gdn_out"] = o.clone()
             out[f"s{si}.l{li}.correction"] = rec.correction.clone()
@@ -178,9 +178,9 @@ def run_ops(p: dict, shard: HeadShard | None = None) -> dict:
         na = torch.tensor(st["num_accepted"], dtype=I32)
         ctx.commit(na, sources, qsl, block_table=p["tables"],
                    num_computed_tokens=torch.tensor(nc, dtype=I32), block_size=p["block_sizes"])
-        for li, l in enumerate(layers):
-            out[f"s{si}.l{li}.state"] = l["state"].clone()
-            out[f"s{si}.l{li}.conv_state"] = l["conv_state"].clone()
+        for li, layer in enumerate(layers):
+            out[f"s{si}.l{li}.state"] = layer["state"].clone()
+            out[f"s{si}.l{li}.conv_state"] = layer["conv_state"].clone()
         for q in range(R):
             if sources[0][q] > -1:
                 nc[q] += min(st["num_accepted"][q], lengths[q])
@@ -367,7 +367,7 @@ def test_tp_cli_under_torchrun():
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(port),
-           "-m", "recoverssm", "demo", "--tp", "2", "--steps", "3", "--layers", "2",
+           "-m", "recoverssm", "demo", "--tp", "2", "--device", "cpu", "--steps", "3", "--layers", "2",
            "--requests", "3", "--json"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)

@@ -1,16 +1,13 @@
 """The ``xpu`` backend without an Intel GPU: pointer encoding, registry behaviour, and its launch
 path running the shared kernels under the Triton interpreter on CPU tensors."""
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import recoverssm as rs  # noqa: E402
-from recoverssm.core.pointers import PointerEncoding, to_signed_bits  # noqa: E402
-from recoverssm.core.registry import BackendError, Registry  # noqa: E402
-from gdn_problems import make_problem, rel_err  # noqa: E402
+import recoverssm as rs
+from recoverssm.core.pointers import PointerEncoding, to_signed_bits
+from recoverssm.core.registry import BackendError, Registry
+from helpers import make_batch_problem, rel_err
 
 HIGH = [2**63, 2**64 - 1, 0xFFFF85ABD4E00000, 0x8000000000000001]
 LOW = [0, 1, 0x7FFFFFFFFFFFFFFF, 0x00007F12_3456_7000]
@@ -91,10 +88,10 @@ def test_xpu_launch_path_matches_reference(monkeypatch):
     """Verify, commit (its uint64-in-int64 tables) and conv through the xpu backend's launch
     table, on CPU tensors under the interpreter, against cpu_ref."""
     monkeypatch.setenv("RECOVERSSM_XPU_INTERPRET", "1")
-    p = make_problem([3, 1, 4, 0], T=4, padding=(1,), K=32, V=32, num_slots=12)
+    p = make_batch_problem([3, 1, 4, 0], T=4, padding=(1,), K=32, V=32, num_slots=12)
     rec_x, rec_r = p.records(), p.records()
-    out_x = rs.gdn_verify(p.q, p.k, p.v, records=rec_x, backend="xpu", **p.kwargs())
-    out_r = rs.gdn_verify(p.q, p.k, p.v, records=rec_r, backend="cpu_ref", **p.kwargs())
+    out_x = rs.gdn_verify(p.q, p.k, p.v, records=rec_x, backend="xpu", **p.call_kwargs())
+    out_r = rs.gdn_verify(p.q, p.k, p.v, records=rec_r, backend="cpu_ref", **p.call_kwargs())
     assert rel_err(out_x, out_r) < 2e-5
     assert rel_err(rec_x.correction, rec_r.correction) < 2e-5
     accepted = torch.tensor([2, 1, 4, 0], dtype=torch.int32)
@@ -103,7 +100,7 @@ def test_xpu_launch_path_matches_reference(monkeypatch):
     for name in ("xpu", "cpu_ref"):
         st, cv = p.state.clone(), conv.clone()
         ctx = rs.CommitContext([[rs.LayerCache(st, rec_r, cv)]], max_batch=4, backend=name)
-        ctx.commit(accepted, p.state_indices, p.query_start_loc)
+        ctx.commit(accepted, p.state_indices, p.qsl)
         states[name] = (st, cv)
     assert torch.equal(states["xpu"][0], states["cpu_ref"][0])
     assert torch.equal(states["xpu"][1], states["cpu_ref"][1])

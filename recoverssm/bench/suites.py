@@ -3,28 +3,19 @@ from __future__ import annotations
 
 import datetime
 import functools
-import os
-import subprocess
 from typing import Callable
 
 import torch
 
 import recoverssm as rs
+from recoverssm.build_info import package_version, source_commit
+from recoverssm.console import ProgressBar
+from recoverssm.console import format_table
 
 from .problems import align_step, commit_context, per_group_indices, window
-from .timing import CopyCeiling, Progress, copies_for, host_times, kernel_launches, median_us
+from .timing import CopyCeiling, copies_for, host_times, kernel_launches, median_us
 
 H, K, V = 16, 128, 128
-
-
-def _git_commit() -> str:
-    if os.environ.get("RECOVERSSM_COMMIT"):     # the device copy of the tree carries no .git
-        return os.environ["RECOVERSSM_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except Exception:  # noqa: BLE001 - not a checkout
-        return "unknown"
 
 
 def _state_bytes(N: int, HV: int, dtype=torch.float32) -> int:
@@ -38,7 +29,7 @@ def _row(kind: str, case: str, us: float, traffic: int, ceiling: CopyCeiling, **
                 copy_tbps=round(traffic / copy_us / 1e6, 3), vs_copy=round(copy_us / us, 3), **extra)
 
 
-def bench_commit(ceiling: CopyCeiling, quick: bool, progress: Progress) -> list[dict]:
+def bench_commit(ceiling: CopyCeiling, quick: bool, progress: ProgressBar) -> list[dict]:
     rows = []
     configs = [("12 layers x 8 req x 48 heads fp32 align", 1, 12, 8, 48, torch.float32)]
     if not quick:
@@ -61,7 +52,7 @@ def bench_commit(ceiling: CopyCeiling, quick: bool, progress: Progress) -> list[
         launches, names = kernel_launches(call)
         rows.append(_row("commit", name, us, traffic, ceiling, layers=layers, requests=R,
                          boundary_rows=step.boundaries, launches=launches))
-        progress.step(name)
+        progress.update(1, name[:40])
         del ctx, caches
         torch.cuda.empty_cache()
     return rows
@@ -81,7 +72,7 @@ def _fla_call(w, fla_fn) -> Callable[[], object]:
     return call
 
 
-def bench_verify(ceiling: CopyCeiling, quick: bool, fla: bool, progress: Progress) -> list[dict]:
+def bench_verify(ceiling: CopyCeiling, quick: bool, fla: bool, progress: ProgressBar) -> list[dict]:
     fla_fn = None
     if fla:
         try:
@@ -127,13 +118,13 @@ def bench_verify(ceiling: CopyCeiling, quick: bool, fla: bool, progress: Progres
                     except Exception as exc:  # noqa: BLE001 - report, keep benchmarking
                         rows.append(dict(kind="fla", case=case, error=f"{type(exc).__name__}: {exc}"[:300]))
                         fla_fn = None
-                progress.step(case)
+                progress.update(1, case)
                 del wins, ctxs
                 torch.cuda.empty_cache()
     return rows
 
 
-def bench_graph(ceiling: CopyCeiling, progress: Progress) -> list[dict]:
+def bench_graph(ceiling: CopyCeiling, progress: ProgressBar) -> list[dict]:
     """Verify + commit of one layer captured in a CUDA graph, N = 1 and 8, T = 4."""
     rows = []
     T, HV = 4, 48
@@ -171,11 +162,11 @@ def bench_graph(ceiling: CopyCeiling, progress: Progress) -> list[dict]:
         rows.append(dict(kind="graph_step", case=f"N={N} T={T} HV={HV}", N=N, us=round(t, 2),
                          floor_us=round(floor, 2), launch_us=round(launch_us, 2),
                          copy_rw_us=round(ceiling.us(2 * state), 2), ratio_to_floor=round(t / floor, 3)))
-        progress.step(f"graph N={N}")
+        progress.update(1, f"graph N={N}")
     return rows
 
 
-def bench_host(progress: Progress) -> list[dict]:
+def bench_host(progress: ProgressBar) -> list[dict]:
     """Host time of one commit call (3 groups x 6 layers, each group with its own index tensors,
     the same every call) and one verify call (``us``: wall, ``cpu_us``: the thread's CPU time),
     the kernels each launches, and a reference: the host time of ``torch.empty(8)`` on the GPU."""
@@ -195,7 +186,7 @@ def bench_host(progress: Progress) -> list[dict]:
     times = host_times(functools.partial(torch.empty, 8, device="cuda"))
     rows.append(dict(kind="host", case="reference: torch.empty(8, device='cuda')", us=round(times["wall_us"], 2),
                      cpu_us=round(times["cpu_us"], 2)))
-    progress.step("host")
+    progress.update(1, "host")
     return rows
 
 
@@ -216,44 +207,57 @@ def run_all(quick: bool = False, fla: bool = True, only: list[str] = ()) -> dict
     ceiling = CopyCeiling("cuda")
     want = lambda s: not only or s in only  # noqa: E731
     n_verify = (2 if quick else 2 * 3 * 4) if want("verify") else 0
-    progress = Progress((1 if quick else 4) * want("commit") + n_verify + 2 * want("graph") + want("host"))
+    cases = (1 if quick else 4) * want("commit") + n_verify + 2 * want("graph") + want("host")
+    progress = ProgressBar(cases, "bench")
     props = torch.cuda.get_device_properties(0)
-    result = dict(date=datetime.date.today().isoformat(), commit=_git_commit(), gpu=props.name,
-                  torch=torch.__version__, triton=__import__("triton").__version__,
+    result = dict(date=datetime.date.today().isoformat(), version=package_version(), commit=source_commit(),
+                  gpu=props.name, torch=torch.__version__, triton=__import__("triton").__version__,
                   copy_tbps_1GiB=round(ceiling.tbps(2**30), 3), rows=[])
-    if want("commit"):
-        result["rows"] += bench_commit(ceiling, quick, progress)
-    if want("verify"):
-        result["rows"] += bench_verify(ceiling, quick, fla, progress)
-    if want("graph"):
-        result["rows"] += bench_graph(ceiling, progress)
-    if want("host"):
-        result["rows"] += bench_host(progress)
+    with progress:
+        if want("commit"):
+            result["rows"] += bench_commit(ceiling, quick, progress)
+        if want("verify"):
+            result["rows"] += bench_verify(ceiling, quick, fla, progress)
+        if want("graph"):
+            result["rows"] += bench_graph(ceiling, progress)
+        if want("host"):
+            result["rows"] += bench_host(progress)
     if want("memory"):
         result["rows"] += bench_memory()
     return result
 
 
+#: the extra fields a row may carry, shown as ``key=value`` in the notes column
+NOTE_KEYS = ("cpu_us", "launches", "verify_speedup", "speedup_vs_snapshot", "verify_us", "commit_us",
+             "snapshot_us", "ratio_to_floor", "floor_us", "ratio", "records_pct_of_state")
+
+
+def _cells(r: dict) -> list[object]:
+    """One row of the table: kind, case, us, TB/s, copy TB/s, vs copy, notes."""
+    if "error" in r:
+        return [r["kind"], r["case"], "-", "-", "-", "-", r["error"][:80]]
+    notes = " ".join(f"{key}={r[key]}" for key in NOTE_KEYS if key in r)
+    if r["kind"] == "memory":
+        return [r["kind"], r["case"], "-", "-", "-", "-",
+                f"snapshot {r['snapshot_bytes']} B vs {r['recoverssm_bytes']} B; " + notes]
+    return [r["kind"], r["case"], r.get("us", "-"), r.get("tbps", "-"), r.get("copy_tbps", "-"),
+            r.get("vs_copy", "-"), notes]
+
+
+def stamp(results: dict) -> str:
+    """Which recoverssm was measured: the version, and the commit where it ran from a checkout
+    (results written before the version was recorded have only the commit)."""
+    version = results.get("version")
+    commit = results.get("commit")
+    parts = ([f"recoverssm {version}"] if version else []) + ([f"commit {commit}"] if commit else [])
+    return "  ".join(parts) or "recoverssm (version not recorded)"
+
+
 def render(results: dict) -> str:
-    lines = [f"recoverssm bench  {results['date']}  commit {results['commit']}  {results['gpu']}  "
+    lines = [f"recoverssm bench  {results['date']}  {stamp(results)}  {results['gpu']}  "
              f"torch {results['torch']}  triton {results['triton']}  copy {results['copy_tbps_1GiB']} TB/s (1 GiB)"]
-    fmt = "{:<10} {:<44} {:>10} {:>9} {:>9} {:>8}  {}"
-    lines.append(fmt.format("kind", "case", "us", "TB/s", "copy TB/s", "vs copy", "notes"))
-    for r in results["rows"]:
-        if "error" in r:
-            lines.append(fmt.format(r["kind"], r["case"], "-", "-", "-", "-", r["error"][:80]))
-            continue
-        notes = []
-        for key in ("cpu_us", "launches", "verify_speedup", "speedup_vs_snapshot", "verify_us", "commit_us",
-                    "snapshot_us", "ratio_to_floor", "floor_us", "ratio", "records_pct_of_state"):
-            if key in r:
-                notes.append(f"{key}={r[key]}")
-        if r["kind"] == "memory":
-            lines.append(fmt.format(r["kind"], r["case"], "-", "-", "-", "-",
-                                    f"snapshot {r['snapshot_bytes']} B vs {r['recoverssm_bytes']} B; " + " ".join(notes)))
-            continue
-        lines.append(fmt.format(r["kind"], r["case"], r.get("us", "-"), r.get("tbps", "-"),
-                                r.get("copy_tbps", "-"), r.get("vs_copy", "-"), " ".join(notes)))
+    lines += format_table(["kind", "case", "us", "TB/s", "copy TB/s", "vs copy", "notes"],
+                          [_cells(r) for r in results["rows"]], align="<<>>>><")
     return "\n".join(lines)
 
 
@@ -279,6 +283,6 @@ def plot(results: dict, path: str) -> None:
         ax.set_xlabel("batch rows N")
     axes[0].set_ylabel("TB/s (bytes read + written)")
     axes[-1].legend(fontsize=7, loc="lower right")
-    fig.suptitle(f"recoverssm on {results['gpu']} ({results['date']}, {results['commit']})")
+    fig.suptitle(f"recoverssm on {results['gpu']} ({results['date']}, {stamp(results)})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

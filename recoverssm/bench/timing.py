@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from typing import Callable, Sequence
 
@@ -127,22 +126,3 @@ def kernel_launches(call: Callable[[], object]) -> tuple[int, list[str]]:
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
              and not e.name.startswith(("Memcpy", "Memset", "cudaMemcpy"))]
     return len(names), names
-
-
-class Progress:
-    """A one-line progress bar on stderr (silent when stderr is not a terminal)."""
-
-    def __init__(self, total: int, label: str = "bench"):
-        self.total, self.done, self.label = total, 0, label
-        self.live = sys.stderr.isatty()
-
-    def step(self, what: str) -> None:
-        self.done += 1
-        if self.live:
-            width = 30
-            filled = int(width * self.done / self.total)
-            sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] "
-                             f"{self.done}/{self.total} {what[:40]:40s}")
-            sys.stderr.flush()
-            if self.done == self.total:
-                sys.stderr.write("\n")

@@ -4,7 +4,10 @@
 * :mod:`.draft`: the n-gram draft over each request's own history.
 * :mod:`.spec`: the speculative path (verify windows, one grouped align-mode commit per step).
 * :mod:`.reference`: the per-token path (``rs.gdn_decode``, one token per call).
-* :mod:`.run`: the loop, the bit-identity checks and the command line.
+* :mod:`.checks`: the bit-identity checks between the two paths.
+* :mod:`.run`: the loop (prefill, then one checked step at a time).
+* :mod:`.tp`: the same loop under tensor parallelism, one process per rank.
+* :mod:`.report` and :mod:`.cli`: what the command prints, and the command line of both front ends.
 """
 from .model import ModelConfig, TinyGDN
 from .run import DemoConfig, DemoMismatch, DemoResult, run_demo

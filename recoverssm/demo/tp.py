@@ -39,12 +39,8 @@ or are stopped by torchrun, which ends all workers when one fails.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import os
-import sys
-import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable, Optional
@@ -53,14 +49,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import recoverssm as rs
-from recoverssm.core.registry import registry
-from recoverssm.cli_support import torch_threads
-
+from .checks import DemoMismatch
 from .model import LayerWeights, ModelConfig, TinyGDN, rmsnorm, rowwise
-from .progress import ProgressBar
-from .run import (DemoConfig, DemoMismatch, DemoResult, StepStats, _summary, step_printers,
-                  run_demo)
+from .run import DemoConfig, DemoResult, StepStats, run_demo
 
 #: NVLink multicast (NVLS) stays off on shared hosts: set before NCCL is initialised.
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -364,7 +355,8 @@ def init_distributed(tp: int, device_type: str, *, timeout_s: float = DEFAULT_TI
         os.environ.update(NCCL_ENV)
         if not torch.cuda.is_available() or torch.cuda.device_count() <= local_rank:
             raise TPSetupError(f"rank {rank} needs cuda:{local_rank}, but this host has "
-                               f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} GPUs")
+                               f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} GPUs "
+                               f"(--device cpu runs the ranks on gloo)")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:
@@ -377,117 +369,3 @@ def init_distributed(tp: int, device_type: str, *, timeout_s: float = DEFAULT_TI
     else:
         dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kw)
     return rank, world, local_rank, device
-
-
-# ------------------------------------------------------------------------------------------------
-# command line (``recoverssm demo --tp N``)
-# ------------------------------------------------------------------------------------------------
-def _tp_lines(tpr: TPDemoResult) -> list[str]:
-    lines = [f"tensor parallel: {tpr.world} ranks over {tpr.dist_backend}; per rank: one state pool, "
-             f"conv state, records workspace and CommitContext per layer shard"]
-    for r in tpr.ranks:
-        mem = r["memory"]
-        lines.append(
-            f"  rank {r['rank']}: {r['shard']}; {r['compared_slots']} state/conv slot comparisons, "
-            f"{r['compared_logits']} logits rows, {r['prefix_blocks_checked']} cached blocks: OK "
-            f"(own per-token path); {r['all_reduces']} all-reduces; holds "
-            f"{(mem['recoverssm_states'] + mem['recoverssm_records']) / 1024:.1f} KiB states + records")
-    differing = (f"{tpr.logits_rows_differing} differ" if tpr.logits_rows_differing
-                 else "all bit-identical")
-    lines.append(f"across ranks: greedy tokens equal in {tpr.token_rows_checked} logits rows "
-                 f"(all_gather at every logits call) and in the generated text; logits rows: "
-                 f"{differing}")
-    return lines
-
-
-def _main(args: argparse.Namespace) -> int:
-    for flag, value, low in (("--requests", args.requests, 1), ("--draft-tokens", args.draft_tokens, 0),
-                             ("--steps", args.steps, 0), ("--layers", args.layers, 1), ("--tp", args.tp, 1)):
-        if value < low:
-            print(f"recoverssm demo: {flag} must be >= {low}, got {value}", file=sys.stderr)
-            return 2
-    mcfg = dataclasses.replace(ModelConfig(), num_layers=args.layers)
-    env_rank = int(os.environ.get("RANK", "0"))
-    try:
-        device_type = torch.device(args.device).type
-        shard_config(mcfg, args.tp)
-        t0 = time.perf_counter()
-        rank, world, _, device = init_distributed(args.tp, device_type)
-        init_s = time.perf_counter() - t0
-    except (TPSetupError, RuntimeError) as e:
-        if env_rank == 0:
-            print(f"recoverssm demo --tp: {e}", file=sys.stderr)
-        return 2
-    try:
-        return _run(args, mcfg, rank, world, device, init_s)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _run(args, mcfg: ModelConfig, rank: int, world: int, device: torch.device, init_s: float) -> int:
-    cfg = DemoConfig(requests=args.requests, draft_tokens=args.draft_tokens, steps=args.steps,
-                     seed=args.seed, device=str(device), backend=args.backend,
-                     ref_conv=args.ref_conv, model=mcfg)
-    lead = rank == 0
-    quiet = args.json or not lead
-    bar = ProgressBar(cfg.steps, "steps", enabled=False if quiet else None)
-
-    def out(line: str = "") -> None:
-        if not quiet:
-            bar.print(line)
-
-    try:
-        backend, reason = registry().resolve(cfg.backend, device)
-    except (rs.BackendError, RuntimeError) as e:
-        if lead:
-            print(f"recoverssm demo: {e}", file=sys.stderr)
-        return 2
-    HeadShard(rank, world, mcfg.H, mcfg.HV, mcfg.K, mcfg.V)   # raises early if the heads do not divide
-    out(f"recoverssm demo --tp {world}: {cfg.requests} requests, k={cfg.draft_tokens} draft tokens, "
-        f"{cfg.steps} steps; backend {backend.name} on {device.type} ({reason}); "
-        f"{dist.get_backend()} process group of {world}")
-    out(f"model: {mcfg.describe()}, seed {cfg.seed}")
-    out(f"sharding: each rank holds H/{world} q/k heads, HV/{world} value heads and their conv channels "
-        f"of every layer (column-parallel in-projection, row-parallel out-projection + all_reduce); "
-        f"embedding, MLP, head and sampling replicated")
-    out("reference: each rank's own per-token path on the same shard (rs.gdn_decode, same all-reduces)")
-    on_prefill, on_step = step_printers(out, cfg, bar, prefill_note=" on every rank")
-
-    t0 = time.perf_counter()
-    try:
-        with bar:
-            tpr = run_tp_demo(cfg, on_step=on_step, on_prefill=on_prefill)
-    except DemoMismatch as e:
-        bar.close()
-        if args.json and lead:
-            print(json.dumps({"ok": False, "rank": rank, "error": str(e)}))
-        print(f"recoverssm demo (rank {rank}): MISMATCH: {e}", file=sys.stderr)
-        return 1
-    except RuntimeError as e:          # a collective failed: another rank stopped first
-        bar.close()
-        print(f"recoverssm demo (rank {rank}): stopped, a collective failed (did another rank "
-              f"fail first?): {e}", file=sys.stderr)
-        return 1
-    elapsed = time.perf_counter() - t0
-    if args.json:
-        if lead:
-            summary = tpr.to_json()
-            summary["elapsed_s"] = elapsed
-            summary["init_s"] = init_s
-            print(json.dumps(summary, indent=2))
-        return 0
-    out("")
-    for line in _summary(tpr.result):
-        out(line)
-    out("(bytes and bit-identity counts above: rank 0; each rank holds 1/%d of every state and record)" % world)
-    for line in _tp_lines(tpr):
-        out(line)
-    out(f"total {elapsed:.1f} s")
-    return 0
-
-
-def main(args: argparse.Namespace) -> int:
-    """``recoverssm demo --tp N`` on this rank, with ``args.threads`` torch threads."""
-    with torch_threads(args.threads):
-        return _main(args)

@@ -1,0 +1,28 @@
+"""``recoverssm check``: run one backend against the ``cpu_ref`` reference on random problems.
+
+Inputs are drawn on CPU (fixed seed), copied to the target device, and the results copied back.
+Two kinds of items:
+
+* **against cpu_ref** (``vs cpu_ref``): fp32 outputs, records and states must agree within a
+  relative tolerance, ``max |got - ref| / max |ref| <= tol`` (1e-5 for fp32; 1e-2 where a value is
+  stored in bf16, one bf16 ulp being 2**-8), since another device may round ``exp`` or order a sum
+  differently. Conv states (pure copies) and commit plans must be equal.
+* **bit-exact** (``== own ...``): the backend against itself. Its commit must leave exactly the
+  states its own per-token ``gdn_decode`` leaves after the same tokens (the library's promise), and
+  ``gdn_verify`` must not write the state.
+
+With ``--backend cpu_ref`` on CPU the reference is checked against itself (a smoke test of the
+API paths and of the bit-exact promises, which do not compare against cpu_ref).
+
+* :mod:`.report`: the items, the tolerances and the table;
+* :mod:`.problems`: the cases and their random inputs;
+* :mod:`.gdn`, :mod:`.conv`, :mod:`.align`, :mod:`.plans`: one checker per kind of case;
+* :mod:`.suite`: the cases run and the run; :mod:`.cli`: the command line.
+"""
+from .cli import add_arguments, default_device, main
+from .problems import AlignCase, ConvCase, GdnCase, PlanCase
+from .report import REF, TOL, Item, Report, format_report
+from .suite import cases, run_check
+
+__all__ = ["AlignCase", "ConvCase", "GdnCase", "Item", "PlanCase", "REF", "Report", "TOL", "add_arguments",
+           "cases", "default_device", "format_report", "main", "run_check"]

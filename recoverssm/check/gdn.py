@@ -1,0 +1,141 @@
+"""Check of the GDN ops of one layer: verify, decode, snapshot and the non-align commit."""
+from __future__ import annotations
+
+import random
+from typing import Optional, Sequence
+
+import torch
+
+import recoverssm as rs
+
+from .problems import GdnCase, GdnProblem, i32, prefix
+from .report import REF, TOL, Report
+
+
+class GdnRun:
+    """Every GDN op of one problem on one backend and device; results stay on that device."""
+
+    def __init__(self, p: GdnProblem, backend: str, device: torch.device):
+        self.p, self.backend, self.device = p, backend, device
+        self.tok = p.token_inputs(device)
+        self.heads = p.head_inputs(device)
+        self.si = i32(p.sources, device)
+        self.qsl = i32(p.qsl, device)
+        self.common = dict(use_qk_l2norm=p.case.l2norm, backend=backend)
+
+    def verify(self):
+        c = self.p.case
+        state = self.p.state.to(self.device)
+        rec = rs.ReplayRecords.allocate(c.B, c.T, c.H, c.HV, c.K, c.V, device=self.device)
+        out = rs.gdn_verify(**self.tok, **self.heads, state=state, state_indices=self.si,
+                            query_start_loc=self.qsl, records=rec, **self.common)
+        return out, rec, state
+
+    def decode(self, counts: Optional[Sequence[int]] = None, state: Optional[torch.Tensor] = None):
+        """Native per-token path over the first ``counts[r]`` tokens of each row (default: all)."""
+        counts = self.p.case.lengths if counts is None else counts
+        tok, qsl = prefix(self.tok, self.p.qsl, counts)
+        state = (self.p.state if state is None else state).to(self.device).clone()
+        out = rs.gdn_decode(**tok, **self.heads, state=state, state_indices=self.si,
+                            query_start_loc=i32(qsl, self.device), **self.common)
+        return out, state
+
+    def snapshot(self):
+        state = self.p.state.to(self.device).clone()
+        out = rs.gdn_spec_decode_snapshot(**self.tok, **self.heads, state=state, state_indices=self.si,
+                                          query_start_loc=self.qsl,
+                                          snapshot_slots=torch.tensor(self.p.snapshot_slots, dtype=torch.int32,
+                                                                      device=self.device),
+                                          **self.common)
+        return out, state
+
+    def commit(self, rec: rs.ReplayRecords):
+        state = self.p.state.to(self.device).clone()
+        ctx = rs.CommitContext([[rs.LayerCache(state, rec)]], max_batch=self.p.case.B, backend=self.backend)
+        ctx.commit(i32(self.p.num_accepted, self.device), self.si, self.qsl)
+        return state
+
+
+def record_pairs(p: GdnProblem, got: rs.ReplayRecords, want: rs.ReplayRecords):
+    """The records of live rows at positions ``t < len`` (the rest of the workspace is free)."""
+    rows, ts = [], []
+    for r in p.live_rows():
+        for t in range(p.case.lengths[r]):
+            rows.append(r)
+            ts.append(t)
+    pairs = []
+    for field_ in ("correction", "key", "decay"):
+        g, w = getattr(got, field_).cpu(), getattr(want, field_)
+        pairs.append((g[rows, :, ts], w[rows, :, ts]))
+    return pairs
+
+
+class GdnCheck:
+    """The items of one :class:`GdnCase`: the backend under test (``dut``) against cpu_ref
+    (``ref``) on the same problem, and against its own per-token decode."""
+
+    def __init__(self, report: Report, case: GdnCase, p: GdnProblem, backend_name: str, device: torch.device):
+        self.report, self.case, self.p, self.label = report, case, p, case.label
+        self.ref = GdnRun(p, REF, torch.device("cpu"))
+        self.dut = GdnRun(p, backend_name, device)
+        self.out_tol = TOL[case.act_dtype]
+        self.state_tol = TOL[case.state_dtype]
+
+    def verify(self) -> tuple[rs.ReplayRecords, rs.ReplayRecords]:
+        """Returns the records ``(cpu_ref's, the backend's)`` for the commit."""
+        o_ref, rec_ref, _ = self.ref.verify()
+        o_dut, rec_dut, st_dut = self.dut.verify()
+        self.report.close(self.label, "gdn_verify out vs cpu_ref", [(o_dut, o_ref)], self.out_tol)
+        self.report.close(self.label, "gdn_verify records vs cpu_ref", record_pairs(self.p, rec_dut, rec_ref),
+                          TOL[torch.float32])
+        self.report.exact(self.label, "gdn_verify leaves state unwritten", [(st_dut, self.p.state)])
+        return rec_ref, rec_dut
+
+    def decode(self) -> None:
+        o_ref, s_ref = self.ref.decode()
+        o_dut, s_dut = self.dut.decode()
+        self.report.close(self.label, "gdn_decode out vs cpu_ref", [(o_dut, o_ref)], self.out_tol)
+        self.report.close(self.label, "gdn_decode state vs cpu_ref", [(s_dut, s_ref)], self.state_tol)
+
+    def snapshot(self) -> None:
+        p, lengths = self.p, self.case.lengths
+        _, s_ref = self.ref.snapshot()
+        _, s_dut = self.dut.snapshot()
+        self.report.close(self.label, "snapshot states vs cpu_ref", [(s_dut, s_ref)], self.state_tol)
+        # The state after a row's last position is what decode leaves in the row's slot.
+        _, dec = self.dut.decode()
+        pairs = [(s_dut[p.snapshot_slots[r][lengths[r] - 1]], dec[p.sources[r]])
+                 for r in p.live_rows() if p.snapshot_slots[r][lengths[r] - 1] > -1]
+        self.report.exact(self.label, "snapshot last state == own decode", pairs)
+
+    def commit(self, rec_ref: rs.ReplayRecords, rec_dut: rs.ReplayRecords) -> None:
+        c_ref = self.ref.commit(rec_ref)
+        c_dut = self.dut.commit(rec_dut)
+        self.report.close(self.label, "commit vs cpu_ref", [(c_dut, c_ref)], self.state_tol)
+        # The promise: commit of n accepted tokens == per-token decode of those n tokens.
+        n = [min(a, length) for a, length in zip(self.p.num_accepted, self.case.lengths)]
+        _, dec = self.dut.decode(n)
+        self.report.exact(self.label, "commit == own decode (bit-exact)", [(c_dut, dec)])
+
+
+def check_gdn(report: Report, case: GdnCase, backend, device: torch.device, gen: torch.Generator,
+              rng: random.Random) -> None:
+    """Every GDN op the backend has, on one random problem (``rng`` is not used here)."""
+    label, caps = case.label, backend.capabilities
+    if case.state_dtype == torch.bfloat16 and "bf16_state" not in caps:
+        report.skip(label, "all", "no bf16_state capability")
+        return
+    check = GdnCheck(report, case, GdnProblem(case, gen), backend.name, device)
+    records = report.guarded(label, "gdn_verify", check.verify)
+    if "gdn_decode" in caps:
+        report.guarded(label, "gdn_decode", check.decode)
+    else:
+        report.skip(label, "gdn_decode", "no gdn_decode capability")
+    if "gdn_spec_decode_snapshot" in caps and "gdn_decode" in caps:
+        report.guarded(label, "snapshot", check.snapshot)
+    else:
+        report.skip(label, "snapshot", "no gdn_spec_decode_snapshot capability")
+    if "commit" not in caps:
+        report.skip(label, "commit", "no commit capability")
+    elif records is not None:
+        report.guarded(label, "commit", lambda: check.commit(*records))

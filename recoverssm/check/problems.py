@@ -1,0 +1,279 @@
+"""The random problems of ``recoverssm check``: case descriptions and their inputs, built on CPU
+from the run's generators and copied to the device under test by the checkers."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .report import dtype_name
+
+
+def i32(values, device) -> torch.Tensor:
+    return torch.tensor(list(values), dtype=torch.int32, device=device)
+
+
+def query_start_loc(lengths: Sequence[int]) -> list[int]:
+    """``[0, l0, l0 + l1, ...]``: where each row's tokens start, and the total at the end."""
+    qsl = [0]
+    for n in lengths:
+        qsl.append(qsl[-1] + n)
+    return qsl
+
+
+def prefix(tokens: dict[str, torch.Tensor], qsl: Sequence[int], counts: Sequence[int]):
+    """The first ``counts[r]`` tokens of each row (contiguous copies) and their ``query_start_loc``."""
+    idx = [qsl[r] + t for r in range(len(counts)) for t in range(counts[r])]
+    first = next(iter(tokens.values()))
+    index = torch.tensor(idx, dtype=torch.long, device=first.device)
+    return {k: v.index_select(0, index) for k, v in tokens.items()}, query_start_loc(counts)
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """A batch described by its rows' window lengths."""
+
+    lengths: tuple[int, ...]
+
+    @property
+    def B(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def T(self) -> int:
+        return max(max(self.lengths), 1)
+
+
+# ------------------------------------------------------------------------------------------------
+# GDN ops: verify, decode, snapshot, non-align commit
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GdnCase(_Rows):
+    """A batch of windows for one GDN layer. ``lengths[r]``: tokens of row ``r`` (0 allowed);
+    ``pad_rows``: rows whose ``state_indices`` is the null slot."""
+
+    H: int = 2
+    HV: int = 4
+    K: int = 16
+    V: int = 16
+    pad_rows: tuple[int, ...] = ()
+    state_dtype: torch.dtype = torch.float32
+    act_dtype: torch.dtype = torch.float32
+    gates: str = "raw"
+    l2norm: bool = True
+
+    @property
+    def label(self) -> str:
+        extra = [f"state {dtype_name(self.state_dtype)}", f"act {dtype_name(self.act_dtype)}",
+                 f"{self.gates} gates"]
+        if not self.l2norm:
+            extra.append("no l2norm")
+        if self.pad_rows:
+            extra.append("pad")
+        lens = ",".join(map(str, self.lengths))
+        return f"gdn B{self.B} T[{lens}] H{self.H}/{self.HV} K{self.K} V{self.V} " + " ".join(extra)
+
+
+class GdnProblem:
+    """Inputs of a :class:`GdnCase`. q/k/v/a/b are strided views of one fused buffer (as an
+    engine's in-projection gives them), re-sliced after the buffer is copied to a device."""
+
+    def __init__(self, case: GdnCase, gen: torch.Generator):
+        c = self.case = case
+        self.T_total = sum(c.lengths)
+        self.width = 2 * c.H * c.K + c.HV * c.V + 2 * c.HV + 3      # +3: odd row stride
+        fused = torch.randn(self.T_total, self.width, generator=gen)
+        if not c.l2norm:   # keep the raw delta rule stable: |k|^2 * beta < 2
+            fused[:, c.H * c.K:2 * c.H * c.K] *= 0.5 / c.K ** 0.5
+        self.fused = fused.to(c.act_dtype)
+        self.A_log = torch.log(0.5 + 7.5 * torch.rand(c.HV, generator=gen))
+        self.dt_bias = torch.randn(c.HV, generator=gen) * 0.5
+        self.g = -F.softplus(torch.randn(self.T_total, c.HV, generator=gen)) * 0.5
+        self.beta = torch.sigmoid(torch.randn(self.T_total, c.HV, generator=gen))
+        self.num_slots = c.B * (c.T + 1) + 2
+        self.state = (torch.randn(self.num_slots, c.HV, c.V, c.K, generator=gen) * 0.3).to(c.state_dtype)
+        slots = torch.randperm(self.num_slots, generator=gen).tolist()
+        self.sources = [-1 if r in c.pad_rows else slots[r] for r in range(c.B)]
+        spare = slots[c.B:]
+        self.snapshot_slots = [[spare[r * c.T + t] for t in range(c.T)] for r in range(c.B)]
+        if c.B and c.T > 1:
+            self.snapshot_slots[0][0] = -1            # an entry <= null_slot is skipped
+        self.qsl = query_start_loc(c.lengths)
+        # accepted tokens per row: 0 .. len + 1 (over-long values must clamp to len)
+        self.num_accepted = [int(torch.randint(0, n + 2, (1,), generator=gen)) for n in c.lengths]
+
+    def live_rows(self) -> list[int]:
+        return [r for r in range(self.case.B) if self.sources[r] > -1 and self.case.lengths[r] > 0]
+
+    def token_inputs(self, device) -> dict[str, torch.Tensor]:
+        """Per-token tensors ``[T_total, ...]`` on ``device`` (views of the fused buffer)."""
+        c = self.case
+        f = self.fused.to(device)
+        hk, o = c.H * c.K, 2 * c.H * c.K + c.HV * c.V
+        x = {"q": f[:, :hk].unflatten(-1, (c.H, c.K)), "k": f[:, hk:2 * hk].unflatten(-1, (c.H, c.K)),
+             "v": f[:, 2 * hk:o].unflatten(-1, (c.HV, c.V))}
+        if c.gates == "raw":
+            x.update(a=f[:, o:o + c.HV], b=f[:, o + c.HV:o + 2 * c.HV])
+        else:
+            x.update(g=self.g.to(device), beta=self.beta.to(device))
+        return x
+
+    def head_inputs(self, device) -> dict[str, torch.Tensor]:
+        if self.case.gates == "raw":
+            return {"A_log": self.A_log.to(device), "dt_bias": self.dt_bias.to(device)}
+        return {}
+
+
+# ------------------------------------------------------------------------------------------------
+# conv_verify
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ConvCase(_Rows):
+    """Windows of a causal conv layer of ``dim`` channels."""
+
+    dim: int = 96
+    width: int = 4
+    pad_rows: tuple[int, ...] = ()
+    act_dtype: torch.dtype = torch.float32
+    silu: bool = True
+    bias: bool = True
+
+    @property
+    def label(self) -> str:
+        lens = ",".join(map(str, self.lengths))
+        extra = [dtype_name(self.act_dtype), "silu" if self.silu else "no act", "bias" if self.bias else "no bias"]
+        if self.pad_rows:
+            extra.append("pad")
+        return f"conv B{len(self.lengths)} T[{lens}] dim{self.dim} width{self.width} " + " ".join(extra)
+
+
+class ConvProblem:
+    """Inputs of a :class:`ConvCase`; ``x`` is a strided view of a wider buffer."""
+
+    def __init__(self, case: ConvCase, gen: torch.Generator):
+        self.case = case
+        B, hist = len(case.lengths), case.width - 1
+        T_total = sum(case.lengths)
+        self.fused = torch.randn(T_total, case.dim + 5, generator=gen).to(case.act_dtype)
+        self.weight = torch.randn(case.dim, case.width, generator=gen).to(case.act_dtype)
+        self.bias = torch.randn(case.dim, generator=gen).to(case.act_dtype) if case.bias else None
+        num_slots = B + 2
+        self.pool = torch.randn(num_slots, case.dim, hist + case.T, generator=gen).to(case.act_dtype)
+        slots = torch.randperm(num_slots, generator=gen).tolist()
+        self.sources = [-1 if r in case.pad_rows else slots[r] for r in range(B)]
+        self.qsl = query_start_loc(case.lengths)
+
+
+# ------------------------------------------------------------------------------------------------
+# align-mode grouped commit: conv + GDN layers in two KV-cache groups, as an engine runs them
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AlignCase(_Rows):
+    """``lengths[r]``: window of batch row ``r``; row ``r`` serves request ``request_of[r]`` (all
+    requests, permuted, when ``permute``). Layer ``l`` belongs to group ``l % 2``."""
+
+    block_sizes: tuple[int, int] = (4, 3)
+    layers: int = 3
+    H: int = 2
+    HV: int = 4
+    K: int = 16
+    V: int = 16
+    conv_width: int = 4
+    state_dtype: torch.dtype = torch.float32
+    permute: bool = False
+    pad_row: bool = False
+    unallocated: bool = True
+
+    @property
+    def label(self) -> str:
+        lens = ",".join(map(str, self.lengths))
+        extra = [f"state {dtype_name(self.state_dtype)}", f"bs {self.block_sizes[0]}/{self.block_sizes[1]}"]
+        if self.permute:
+            extra.append("request_indices")
+        if self.pad_row:
+            extra.append("pad")
+        return (f"align {self.layers}L/2G B{self.B} T[{lens}] H{self.H}/{self.HV} K{self.K} V{self.V} "
+                + " ".join(extra))
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.H * self.K + self.HV * self.V
+
+
+def random_align_step(B: int, lengths: Sequence[int], block_sizes: Sequence[int], rng: random.Random,
+                      *, permute: bool, pad_row: bool, unallocated: bool) -> dict:
+    """Host-side metadata of one align-mode step for ``len(block_sizes)`` groups.
+
+    Every request owns its own slots in every group (so no two rows can write one slot), has
+    ``num_computed_tokens`` at a random offset (on and off block boundaries) and its source slot
+    where align mode keeps it: the block holding its last computed token. ``unallocated``: some
+    requests have ``-1`` blocks past their source (the final block may then be null: no write).
+    """
+    T = max(max(lengths), 1)
+    request_of = list(range(B))
+    if permute:
+        rng.shuffle(request_of)
+    nct = [rng.randrange(0, 4 * max(block_sizes)) for _ in range(B)]
+    if B > 1:
+        nct[0] = 2 * block_sizes[0]                     # window starts exactly on a boundary
+    num_accepted = [0] * B
+    for r in range(B):
+        num_accepted[request_of[r]] = rng.randint(0, lengths[r] + 1)
+    groups = []
+    for g, bs in enumerate(block_sizes):
+        width = (max(nct) + T) // bs + 2
+        slots = list(range(B * width))
+        rng.shuffle(slots)
+        table = [slots[q * width:(q + 1) * width] for q in range(B)]
+        if unallocated:
+            for q in range(1, B, 2 if g == 0 else 3):
+                first = (nct[q] // bs) + 1
+                for j in range(first, width):
+                    table[q][j] = -1
+        sources = [table[q][(nct[q] - 1) // bs] if nct[q] > 0 else table[q][0] for q in range(B)]
+        state_indices = [sources[request_of[r]] for r in range(B)]
+        if pad_row:
+            state_indices[-1] = -1
+        groups.append({"block_size": bs, "block_table": table, "state_indices": state_indices,
+                       "num_slots": B * width})
+    return {"request_of": request_of, "num_computed_tokens": nct, "num_accepted": num_accepted,
+            "groups": groups, "permute": permute}
+
+
+def align_layers(case: AlignCase, meta: dict, gen: torch.Generator) -> tuple[list[dict], list[dict]]:
+    """Per layer: the weights (fused in-projection output, conv and gate parameters) and the
+    pools (recurrent states, conv states) of an :class:`AlignCase` step described by ``meta``."""
+    c = case
+    T_total = sum(c.lengths)
+    weights, pools = [], []
+    for layer in range(c.layers):
+        num_slots = meta["groups"][layer % 2]["num_slots"]
+        weights.append({
+            "proj": torch.randn(T_total, c.conv_dim + 2 * c.HV + 1, generator=gen),
+            "conv_w": torch.randn(c.conv_dim, c.conv_width, generator=gen) * 0.5,
+            "conv_b": torch.randn(c.conv_dim, generator=gen) * 0.1,
+            "A_log": torch.log(0.5 + 7.5 * torch.rand(c.HV, generator=gen)),
+            "dt_bias": torch.randn(c.HV, generator=gen) * 0.5,
+        })
+        pools.append({
+            "state": (torch.randn(num_slots, c.HV, c.V, c.K, generator=gen) * 0.3).to(c.state_dtype),
+            "conv": torch.randn(num_slots, c.conv_dim, c.conv_width - 1 + c.T, generator=gen),
+        })
+    return weights, pools
+
+
+# ------------------------------------------------------------------------------------------------
+# plan_commit
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PlanCase:
+    """``count`` random align and non-align steps through ``plan_commit``."""
+
+    count: int = 24
+
+    @property
+    def label(self) -> str:
+        return f"plan_commit {self.count} random steps"

@@ -1,0 +1,131 @@
+"""What the demo prints: the opening lines, a table row per step, and the closing summary, for the
+single-process and the tensor-parallel front end (:mod:`.cli`)."""
+from __future__ import annotations
+
+from typing import Callable
+
+from recoverssm.console import ProgressBar, Table
+
+from .model import ModelConfig
+from .run import DemoConfig, DemoResult, StepStats
+from .tp import TPDemoResult
+
+
+def _kib(n: int) -> str:
+    return f"{n / 1024:.1f} KiB"
+
+
+def intro_lines(cfg: DemoConfig, backend_name: str, reason: str) -> list[str]:
+    """The single-process demo's opening: what runs where, the model, the KV-cache groups."""
+    mcfg = cfg.model
+    lines = [f"recoverssm demo: {cfg.requests} requests, k={cfg.draft_tokens} draft tokens, {cfg.steps} steps; "
+             f"backend {backend_name} on {cfg.device} ({reason})",
+             f"model: {mcfg.describe()}, seed {cfg.seed}"]
+    if mcfg.num_layers > 1:
+        lines.append(f"KV-cache groups: even layers (block size {cfg.block_sizes[0]}), odd layers "
+                     f"(block size {cfg.block_sizes[1]}); align mode (prefix caching), one commit per step")
+    else:
+        lines.append(f"one KV-cache group (block size {cfg.block_sizes[0]}); align mode (prefix caching)")
+    return lines
+
+
+def tp_intro_lines(cfg: DemoConfig, world: int, device_type: str, backend_name: str, reason: str,
+                   dist_backend: str) -> list[str]:
+    """The tensor-parallel demo's opening: what runs where, the model, how it is sharded."""
+    mcfg: ModelConfig = cfg.model
+    return [
+        f"recoverssm demo --tp {world}: {cfg.requests} requests, k={cfg.draft_tokens} draft tokens, "
+        f"{cfg.steps} steps; backend {backend_name} on {device_type} ({reason}); "
+        f"{dist_backend} process group of {world}",
+        f"model: {mcfg.describe()}, seed {cfg.seed}",
+        f"sharding: each rank holds H/{world} q/k heads, HV/{world} value heads and their conv channels "
+        f"of every layer (column-parallel in-projection, row-parallel out-projection + all_reduce); "
+        f"embedding, MLP, head and sampling replicated",
+        "reference: each rank's own per-token path on the same shard (rs.gdn_decode, same all-reduces)",
+    ]
+
+
+def step_table(requests: int) -> Table:
+    """The per-step table; its widths are fixed up front because rows print as steps finish."""
+    headers = ["step", "tokens/req", "total", "accepted", "rate", "spec ms", "ref ms", "bit-identity"]
+    widths = [4, 2 * requests, 5, 8, 5, 8, 8, 0]
+    return Table(headers, widths, align="><>>>>><")
+
+
+def step_cells(s: StepStats) -> list[object]:
+    """One step's row of :func:`step_table`."""
+    R = len(s.accepted)
+    rate = sum(s.accepted) / max(s.drafted * R, 1)
+    return [s.step, " ".join(f"{e}" for e in s.emitted), sum(s.emitted), f"{sum(s.accepted)}/{s.drafted * R}",
+            f"{rate:.0%}", f"{s.spec_ms:.1f}", f"{s.ref_ms:.1f}",
+            f"ok ({s.compared} slots, {s.boundary_writes} boundary)"]
+
+
+class StepPrinter:
+    """The ``on_prefill`` and ``on_step`` callbacks of :func:`~recoverssm.demo.run_demo`: the
+    prefill line, the table header before the first step, then one row per step, advancing
+    ``bar``. ``prefill_note`` ends the prefill line (the TP demo says where it was checked)."""
+
+    def __init__(self, out: Callable[[str], None], cfg: DemoConfig, bar: ProgressBar, prefill_note: str = ""):
+        self.out, self.bar, self.prefill_note = out, bar, prefill_note
+        self.table = step_table(cfg.requests)
+        self.header_done = False
+
+    def on_prefill(self, rounds: int) -> None:
+        self.out(f"prefill: prompts minus their last token in {rounds} verify+commit rounds, "
+                 f"bit-identical to per-token decoding{self.prefill_note}")
+
+    def on_step(self, s: StepStats) -> None:
+        if not self.header_done:
+            self.out("")
+            self.out(self.table.header())
+            self.header_done = True
+        self.out(self.table.line(step_cells(s)))
+        self.bar.update(1, f"{sum(s.emitted)} tokens")
+
+
+def summary_lines(res: DemoResult) -> list[str]:
+    """The closing summary: tokens per step, acceptance, memory, time, and the bit-identity count."""
+    cfg, mem = res.config, res.memory
+    R, k, L = cfg.requests, cfg.draft_tokens, cfg.model.num_layers
+    steps = len(res.steps) or 1
+    total = sum(len(t) for t in res.tokens)
+    spec_ms = sum(s.spec_ms for s in res.steps) / steps
+    ref_ms = sum(s.ref_ms for s in res.steps) / steps
+    rs_total = mem["recoverssm_states"] + mem["recoverssm_records"]
+    per_req = " ".join(f"{a:.0%}" for a in res.acceptance_per_request())
+    return [
+        f"tokens: {total} generated in {len(res.steps)} steps = {total / steps / R:.2f} per request per step "
+        f"(per-token decoding: 1.00)",
+        f"acceptance: {res.drafts_accepted}/{res.drafts_proposed} drafts "
+        f"({res.drafts_accepted / max(res.drafts_proposed, 1):.0%}); per request: {per_req}",
+        f"state slots per request per layer: RecoverSSM 1 (+ records), snapshot method {k + 1} (1 + k)",
+        f"bytes held ({L} layers x {R} requests, {mem['state_bytes_per_slot']} B per state): "
+        f"RecoverSSM {_kib(mem['recoverssm_states'])} states + {_kib(mem['recoverssm_records'])} records "
+        f"= {_kib(rs_total)}; snapshot {_kib(mem['snapshot_states'])} ({mem['snapshot_states'] / rs_total:.1f}x)",
+        f"records per token: {mem['records_per_token_fraction_of_state']:.1%} of a state at these dims, "
+        f"{mem['records_per_token_fraction_of_state_at_H16_HV32_K128_V128']:.1%} at H=16 HV=32 K=V=128",
+        f"time per step: speculative path {spec_ms:.1f} ms (draft, verify, plan, commit), "
+        f"per-token reference {ref_ms:.1f} ms",
+        f"bit-identity: OK: {res.compared_slots} state/conv slot comparisons, {res.compared_logits} logits rows, "
+        f"tokens equal, {res.prefix_blocks_checked} cached blocks intact at the end",
+    ]
+
+
+def tp_lines(tpr: TPDemoResult) -> list[str]:
+    """The tensor-parallel part of the summary: each rank's checks, and the checks across ranks."""
+    lines = [f"tensor parallel: {tpr.world} ranks over {tpr.dist_backend}; per rank: one state pool, "
+             f"conv state, records workspace and CommitContext per layer shard"]
+    for r in tpr.ranks:
+        mem = r["memory"]
+        lines.append(
+            f"  rank {r['rank']}: {r['shard']}; {r['compared_slots']} state/conv slot comparisons, "
+            f"{r['compared_logits']} logits rows, {r['prefix_blocks_checked']} cached blocks: OK "
+            f"(own per-token path); {r['all_reduces']} all-reduces; holds "
+            f"{_kib(mem['recoverssm_states'] + mem['recoverssm_records'])} states + records")
+    differing = (f"{tpr.logits_rows_differing} differ" if tpr.logits_rows_differing
+                 else "all bit-identical")
+    lines.append(f"across ranks: greedy tokens equal in {tpr.token_rows_checked} logits rows "
+                 f"(all_gather at every logits call) and in the generated text; logits rows: "
+                 f"{differing}")
+    return lines
