@@ -313,8 +313,8 @@ def decode_after(p: Problem, ns, pool: Optional[torch.Tensor] = None, **kw) -> t
 
 
 def commit_one(state, records, num_accepted, state_indices, qsl, conv_state=None, max_batch=None,
-               **kw):
-    ctx = rs.CommitContext([[rs.LayerCache(state, records, conv_state=conv_state)]],
+               conv_width=None, **kw):
+    ctx = rs.CommitContext([[rs.LayerCache(state, records, conv_state=conv_state, conv_width=conv_width)]],
                            max_batch=max_batch or state_indices.shape[0])
     ctx.commit(num_accepted, state_indices, qsl, **kw)
 
@@ -433,7 +433,7 @@ def clone_all(obj):
     if isinstance(obj, rs.ReplayRecords):
         return rs.ReplayRecords(clone_all(obj.correction), clone_all(obj.key), clone_all(obj.decay))
     if isinstance(obj, rs.LayerCache):
-        return rs.LayerCache(clone_all(obj.state), clone_all(obj.records), clone_all(obj.conv_state))
+        return rs.LayerCache(clone_all(obj.state), clone_all(obj.records), clone_all(obj.conv_state), obj.conv_width)
     if isinstance(obj, (list, tuple)):
         return type(obj)(clone_all(o) for o in obj)
     if isinstance(obj, dict):

@@ -35,6 +35,29 @@ def commit(p, state, records, num_accepted, backend, **kw):
     ctx.commit(num_accepted, p.state_indices, p.qsl, **kw)
 
 
+def recurrence_table(**fields):
+    """The cuda backend's launch table with these recurrence fields (``config.RecurrenceSpec``)
+    for both state dtypes."""
+    from dataclasses import replace
+
+    from recoverssm.backends.cuda.launch_table import LAUNCH_TABLE
+    from recoverssm.backends.triton.config import RecurrenceSpec
+
+    return replace(LAUNCH_TABLE, recurrence={dtype: replace(RecurrenceSpec(), **fields)
+                                             for dtype in LAUNCH_TABLE.recurrence})
+
+
+def commit_table(**fields):
+    """The cuda backend's launch table with these commit fields (``config.CommitSpec``) for both
+    state dtypes."""
+    from dataclasses import replace
+
+    from recoverssm.backends.cuda.launch_table import LAUNCH_TABLE
+    from recoverssm.backends.triton.config import CommitSpec
+
+    return replace(LAUNCH_TABLE, commit={dtype: replace(CommitSpec(), **fields) for dtype in LAUNCH_TABLE.commit})
+
+
 def to_cpu(p_state, records):
     """CPU copies of a state pool and its records (for cpu_ref)."""
     return p_state.cpu(), rs.ReplayRecords(records.correction.cpu(), records.key.cpu(), records.decay.cpu())

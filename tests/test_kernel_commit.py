@@ -12,7 +12,7 @@ import torch
 
 import recoverssm as rs
 from helpers import align_case, make_batch_problem, take_prefix
-from kernel_settings import SETTINGS, commit, dims, to_cpu, verify
+from kernel_settings import SETTINGS, commit, commit_table, dims, to_cpu, verify
 
 
 @pytest.mark.parametrize("s", SETTINGS)
@@ -140,7 +140,7 @@ def test_tiles_per_program_do_not_change_the_bits(s, state_dtype):
     states and conv states, align mode with boundary writes included (request 0 accepts 4 here:
     3 tokens into its boundary state, then 1, so replays of odd and even lengths start at odd
     and even positions)."""
-    from recoverssm.backends.triton.launch import LaunchConfig
+    from recoverssm.backends.triton.tuning import launch_table
 
     device = s["device"]
     align, accepted, sources = align_case(device, 16)
@@ -154,11 +154,10 @@ def test_tiles_per_program_do_not_change_the_bits(s, state_dtype):
     for tiles, prefetch, pairs in ((1, False, False), (2, False, False), (3, False, False), (1, True, False),
                                    (3, True, False), (1, False, True), (2, True, True), (3, False, True)):
         state, conv = p.state.clone(), conv_state.clone()
-        ctx = rs.CommitContext([[rs.LayerCache(state, rec, conv)]], max_batch=5, backend="cuda")
-        ctx._committer.set_config(LaunchConfig(commit_block_v=16, commit_tiles_per_program=tiles,
-                                               commit_prefetch_records=prefetch,
-                                               commit_prefetch_next_tile=prefetch,
-                                               commit_replay_pairs=pairs))
+        table = commit_table(block_v=16, tiles_per_program=tiles, prefetch_records=prefetch,
+                             prefetch_next_tile=prefetch, replay_pairs=pairs)
+        with launch_table("cuda", table):       # a context fixes its launch when it is built
+            ctx = rs.CommitContext([[rs.LayerCache(state, rec, conv, conv_width=4)]], max_batch=5, backend="cuda")
         ctx.commit(accepted, p.state_indices, p.qsl, **align)
         results.append((state, conv))
     for state, conv in results[1:]:
@@ -196,7 +195,7 @@ def test_steps_with_persistent_index_buffers(s):
         ref.commit(accepted.cpu(), slots.cpu(), qsl.cpu())
         assert torch.equal(state.cpu(), ref_state), step
     if device == "cuda":
-        assert ctx._committer._repeat is not None, "the repeated launch was never bound"
+        assert ctx.committer._repeat is not None, "the repeated launch was never bound"
 
 
 
@@ -211,11 +210,11 @@ def test_conv_compaction_matches_reference(s):
     conv_state = torch.randn(16, 20, 3 + 4, device=device).to(torch.bfloat16)
     for kw in (align, {}):
         gpu_conv = conv_state.clone()
-        ctx = rs.CommitContext([[rs.LayerCache(p.state.clone(), rec, gpu_conv)]], max_batch=5, backend="cuda")
+        ctx = rs.CommitContext([[rs.LayerCache(p.state.clone(), rec, gpu_conv, conv_width=4)]], max_batch=5, backend="cuda")
         ctx.commit(accepted, p.state_indices, p.qsl, **kw)
         cpu_conv = conv_state.cpu().clone()
         state_cpu, rec_cpu = to_cpu(p.state.clone(), rec)
-        ref = rs.CommitContext([[rs.LayerCache(state_cpu, rec_cpu, cpu_conv)]], max_batch=5, backend="cpu_ref")
+        ref = rs.CommitContext([[rs.LayerCache(state_cpu, rec_cpu, cpu_conv, conv_width=4)]], max_batch=5, backend="cpu_ref")
         ref.commit(accepted.cpu(), p.state_indices.cpu(), p.qsl.cpu(),
                    **{k: (v.cpu() if torch.is_tensor(v) else v) for k, v in kw.items()})
         assert torch.equal(gpu_conv.cpu(), cpu_conv)

@@ -11,7 +11,7 @@ import torch
 
 import recoverssm as rs
 from helpers import make_batch_problem, rel_err
-from kernel_settings import FP32_TOL, SETTINGS, commit, dims, verify
+from kernel_settings import FP32_TOL, SETTINGS, commit, dims, recurrence_table, verify
 
 
 @pytest.mark.parametrize("s", SETTINGS)
@@ -83,15 +83,15 @@ def launch_every_mode(p, cfg, snapshot_slots=None):
     tail = (GateInputs(**p.gates), p.dims.K ** -0.5, True, -1)
     rec = p.records()
     out = torch.empty_like(p.v)
-    launch.gdn_recurrent(cfg, "verify", *args, p.state, p.state_indices, p.qsl, *tail, out,
+    launch.recurrence(cfg, "verify", *args, p.state, p.state_indices, p.qsl, *tail, out,
                          (rec.correction, rec.key, rec.decay), None)
     native = p.state.clone()
-    launch.gdn_recurrent(cfg, "decode", *args, native, p.state_indices, p.qsl, *tail,
+    launch.recurrence(cfg, "decode", *args, native, p.state_indices, p.qsl, *tail,
                          torch.empty_like(p.v), None, None)
     snapshots = None
     if snapshot_slots is not None:
         snapshots = p.state.clone()
-        launch.gdn_recurrent(cfg, "snapshot", *args, snapshots, p.state_indices, p.qsl, *tail,
+        launch.recurrence(cfg, "snapshot", *args, snapshots, p.state_indices, p.qsl, *tail,
                              torch.empty_like(p.v), None, snapshot_slots)
     return out, rec, native, snapshots
 
@@ -106,16 +106,12 @@ def test_rows_per_thread_do_not_change_the_bits(s):
     verify of a large batch and native decode of a small one may run different tiles with the same
     lanes along K: records, outputs and decoded states are identical whatever the rows per thread,
     and a commit of records from one tile equals native decode under another."""
-    from dataclasses import replace
-
-    from recoverssm.backends.triton import launch
-
     device, K, V = s["device"], s["K"], s["V"]
     p = make_batch_problem([3, 1, 4, 2], T=4, padding=(1,), H=s["H"], HV=s["HV"], K=K, V=V, device=device,
                            num_slots=8, sources_below=6)
     results = []
     for rows in (8, 4, 2, 1):
-        out, rec, native, _ = launch_every_mode(p, replace(launch.LaunchConfig(), gdn_rows=rows))
+        out, rec, native, _ = launch_every_mode(p, recurrence_table(rows=rows))
         results.append((rows, out, rec, native))
     _, out8, rec8, native8 = results[0]
     for rows, out, rec, native in results[1:]:
@@ -130,20 +126,16 @@ def test_rows_per_thread_do_not_change_the_bits(s):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("switch", ["gdn_ptx_widen_bf16", "gdn_l2_hints"])
+@pytest.mark.parametrize("switch", ["ptx_widen_bf16", "l2_hints"])
 @pytest.mark.parametrize("rows", [8, 4])
 def test_ptx_switches_do_not_change_the_bits(switch, rows):
     """Two launch-table switches act in PTX only, so this is a GPU-only test (the interpreter
-    never takes those paths): ``gdn_ptx_widen_bf16`` widens bf16 token inputs with bit operations
-    instead of the compiler's cast; ``gdn_l2_hints`` adds cache eviction policies to the
+    never takes those paths): ``ptx_widen_bf16`` widens bf16 token inputs with bit operations
+    instead of the compiler's cast; ``l2_hints`` adds cache eviction policies to the
     recurrence's loads (another binary). Verify's outputs and records, native decode's state and
     every snapshot are identical either way, with token inputs that include signed zeros, bf16
     subnormals and large values (1e30: larger ones overflow the state to NaN, which torch.equal
     cannot compare)."""
-    from dataclasses import replace
-
-    from recoverssm.backends.triton import launch
-
     K = V = 128
     p = make_batch_problem([3, 1, 4, 2], T=4, padding=(1,), H=4, HV=12, K=K, V=V, device="cuda",
                            act_dtype=torch.bfloat16, num_slots=8 + 10 * 4, sources_below=8)
@@ -155,7 +147,7 @@ def test_ptx_switches_do_not_change_the_bits(switch, rows):
     p.q[:, :, 5:13] = special[:4].repeat(2)
     snapshot_slots = torch.arange(p.B * p.T, dtype=torch.int32, device="cuda").view(p.B, p.T) + 8
     (out0, rec0, native0, snap0), (out1, rec1, native1, snap1) = (
-        launch_every_mode(p, replace(launch.LaunchConfig(), gdn_rows=rows, **{switch: on}), snapshot_slots)
+        launch_every_mode(p, recurrence_table(rows=rows, **{switch: on}), snapshot_slots)
         for on in (False, True))
     assert torch.equal(out0, out1)
     for name in ("correction", "key", "decay"):
@@ -201,7 +193,7 @@ def test_kernels_ignore_out_of_range_indices(s):
     out = torch.full_like(p.v, 7.0)
     state_before = p.state.clone()
     for mode in ("verify", "decode"):
-        backend.gdn_recurrent(mode, p.q, p.k, p.v, p.state, bad_slots, p.qsl,
+        backend.recurrence(mode, p.q, p.k, p.v, p.state, bad_slots, p.qsl,
                               GateInputs(**p.gates), 0.25, True, -1, out,
                               (rec.correction, rec.key, rec.decay), None)
         assert torch.count_nonzero(out) == 0
@@ -211,7 +203,7 @@ def test_kernels_ignore_out_of_range_indices(s):
     ctx = rs.CommitContext([[rs.LayerCache(p.state, rec)]], max_batch=3, backend="cuda")
     from recoverssm.core.backend import GroupStep
 
-    ctx._committer.commit(torch.tensor([99, 99, 99], dtype=torch.int32, device=p.q.device),
+    ctx.committer.commit(torch.tensor([99, 99, 99], dtype=torch.int32, device=p.q.device),
                           p.qsl, [GroupStep(bad_slots, None, None, None, 1)])
     assert torch.equal(p.state, state_before)
 
@@ -255,9 +247,9 @@ def test_commit_matches_decode_whatever_the_input_alignment(s):
 
 
 # lanes_k=32 runs as 16 (launch.MAX_LANES_K): the entry checks that the clamp keeps the bits right
-TILE_CONFIGS = [dict(gdn_lanes_k=4, gdn_rows=1), dict(gdn_lanes_k=8, gdn_rows=2),
-                dict(gdn_lanes_k=16, gdn_rows=4), dict(gdn_lanes_k=32, gdn_rows=8), dict(gdn_lanes_k=8, gdn_rows=8),
-                dict(gdn_lanes_k=8, gdn_rows=1, gdn_warps=2)]
+TILE_CONFIGS = [dict(lanes_k=4, rows=1), dict(lanes_k=8, rows=2),
+                dict(lanes_k=16, rows=4), dict(lanes_k=32, rows=8), dict(lanes_k=8, rows=8),
+                dict(lanes_k=8, rows=1, warps=2)]
 
 
 
@@ -267,18 +259,16 @@ TILE_CONFIGS = [dict(gdn_lanes_k=4, gdn_rows=1), dict(gdn_lanes_k=8, gdn_rows=2)
     pytest.param(dict(device="cuda", H=4, HV=12, shapes=[(128, 128), (64, 64), (48, 40), (8, 12)]),
                  marks=pytest.mark.gpu, id="gpu"),
 ])
-@pytest.mark.parametrize("tile", TILE_CONFIGS, ids=lambda c: "-".join(f"{k[4:]}{v}" for k, v in c.items()))
+@pytest.mark.parametrize("tile", TILE_CONFIGS, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_every_recurrence_tile(s, tile):
     """Each tile configuration (lanes along K, rows per thread, warps) on shapes
     that use several K chunks, a padded K and a partial last V block: verify agrees with cpu_ref,
     and commit == native decode bit for bit under that configuration."""
-    from dataclasses import replace
-
     from recoverssm.backends.triton import launch
     from recoverssm.core.backend import GateInputs
 
     device = s["device"]
-    cfg = replace(launch.LaunchConfig(), **tile)
+    cfg = recurrence_table(**tile)
     for K, V in s["shapes"]:
         lens = [3, 1, 4, 2]
         p = make_batch_problem(lens, T=4, padding=(1,), H=s["H"], HV=s["HV"], K=K, V=V, device=device,
@@ -288,7 +278,7 @@ def test_every_recurrence_tile(s, tile):
         gates = GateInputs(**p.gates)
         rec = p.records()
         out = torch.empty_like(p.v)
-        launch.gdn_recurrent(cfg, "verify", p.q, p.k, p.v, p.state, p.state_indices, p.qsl,
+        launch.recurrence(cfg, "verify", p.q, p.k, p.v, p.state, p.state_indices, p.qsl,
                              gates, K ** -0.5, True, -1, out, (rec.correction, rec.key, rec.decay), None)
         ref_out, ref_rec = verify(pc, "cpu_ref")
         assert rel_err(out, ref_out) < FP32_TOL, (K, V)
@@ -297,7 +287,7 @@ def test_every_recurrence_tile(s, tile):
         committed = p.state.clone()
         commit(p, committed, rec, torch.full((p.B,), 4, dtype=torch.int32, device=device), "cuda")
         native = p.state.clone()
-        launch.gdn_recurrent(cfg, "decode", p.q.contiguous(), p.k.contiguous(), p.v.contiguous(), native,
+        launch.recurrence(cfg, "decode", p.q.contiguous(), p.k.contiguous(), p.v.contiguous(), native,
                              p.state_indices, p.qsl, gates, K ** -0.5, True, -1,
                              torch.empty_like(p.v), None, None)
         assert torch.equal(committed, native), (K, V)

@@ -56,7 +56,7 @@ def build_layers(seed=0):
                 rs.conv_verify(torch.randn(p.T_total, dim, generator=gen), conv_state,
                                torch.randn(dim, width, generator=gen), None,
                                state_indices=p.state_indices, query_start_loc=p.qsl)
-            layers.append(rs.LayerCache(p.state.clone(), records, conv_state=conv_state))
+            layers.append(rs.LayerCache(p.state.clone(), records, conv_state=conv_state, conv_width=width))
             ps.append(p)
         groups.append(layers)
         probs.append(ps)

@@ -39,9 +39,9 @@ class SpyBackend(CpuRefBackend):
     def unavailable_reason(self):
         return "" if self._available else "spy says no"
 
-    def gdn_recurrent(self, mode, *args):
+    def recurrence(self, mode, *args):
         self.calls.append(mode)
-        super().gdn_recurrent(mode, *args)
+        super().recurrence(mode, *args)
 
 
 class SpyPlugin:

@@ -145,7 +145,8 @@ def run_ops(p: dict, shard: HeadShard | None = None) -> dict:
                            state=vh(lw["state"]).clone(), conv_state=chan(lw["conv_state"]).clone(),
                            records=rs.ReplayRecords.allocate(R, T, H, HV, K, V)))
     G = len(p["block_sizes"])
-    ctx = rs.CommitContext([[rs.LayerCache(layer["state"], layer["records"], conv_state=layer["conv_state"])
+    ctx = rs.CommitContext([[rs.LayerCache(layer["state"], layer["records"], conv_state=layer["conv_state"],
+                                           conv_width=layer["conv_w"].shape[1])
                              for layer in layers if layer["group"] == gi] for gi in range(G)],
                            max_batch=R, backend="cpu_ref")
     tables = [t.tolist() for t in p["tables"]]

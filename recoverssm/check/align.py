@@ -13,7 +13,7 @@ from .problems import AlignCase, align_layers, i32, prefix, query_start_loc, ran
 from .report import REF, TOL, Report
 
 PLAN_FIELDS = ("commit_len", "final_slot", "boundary_slot", "boundary_len")
-CAPABILITIES = ("conv_verify", "gdn_verify", "gdn_decode", "plan_commit", "commit", "grouped_commit")
+CAPABILITIES = ("conv_verify", "gdn", "plan_commit", "commit")
 
 
 class AlignRun:
@@ -68,7 +68,8 @@ class AlignRun:
         groups = [[] for _ in self.meta["groups"]]
         for layer in range(self.case.layers):
             groups[self.group(layer)].append(
-                rs.LayerCache(self.state[layer], self.records[layer], conv_state=self.conv[layer]))
+                rs.LayerCache(self.state[layer], self.records[layer], conv_state=self.conv[layer],
+                              conv_width=self.case.conv_width))
         ctx = rs.CommitContext(groups, max_batch=self.case.B, backend=self.backend)
         ctx.commit(self.na, self.si, self.qsl, request_indices=self.ri, block_table=self.tables,
                    num_computed_tokens=self.nct,

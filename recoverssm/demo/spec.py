@@ -83,7 +83,8 @@ class SpecEngine:
                         for _ in range(c.num_layers)]
         # Built once: a GPU backend builds its pointer tables here, not per step.
         self.ctx = rs.CommitContext(
-            [[rs.LayerCache(self.state[i], self.records[i], conv_state=self.conv_state[i])
+            [[rs.LayerCache(self.state[i], self.records[i], conv_state=self.conv_state[i],
+                           conv_width=c.conv_width)
               for i in layers] for layers in self.layers_of],
             max_batch=num_requests, backend=backend)
         # Nothing computed yet: every request starts from block 0 (zero state, zero conv history).
