@@ -312,6 +312,36 @@ def decode_after(p: Problem, ns, pool: Optional[torch.Tensor] = None, **kw) -> t
     return pool
 
 
+def legal_accepted(ns, lens) -> list:
+    """``ns`` clamped to each row's window ``[0, len]``, as the commit's value checks require."""
+    return [min(max(int(n), 0), length) for n, length in zip(ns, lens)]
+
+
+def commit_unchecked(state, records, num_accepted, state_indices, qsl, *, backend=None, request_indices=None,
+                     block_table=None, num_computed_tokens=None, block_size=None, conv_state=None, conv_width=None,
+                     max_batch=None) -> None:
+    """One single-layer commit through the backend's committer, with no value checks (what a GPU
+    commit does with ``check`` off): values outside the rules follow the kernels' index rule
+    (clamped counts, padding for anything that is not a slot)."""
+    from recoverssm.core.backend import GroupStep
+
+    ctx = rs.CommitContext([[rs.LayerCache(state, records, conv_state=conv_state, conv_width=conv_width)]],
+                           max_batch=max_batch or state_indices.shape[0], backend=backend)
+    ctx.committer.commit(num_accepted, qsl, [GroupStep(state_indices, request_indices, block_table,
+                                                       num_computed_tokens, block_size)])
+
+
+def plan_unchecked(num_accepted, state_indices, qsl, *, backend="cpu_ref", request_indices=None, block_table=None,
+                   num_computed_tokens=None, block_size=None, null_slot=-1, num_slots=2**31 - 1) -> rs.CommitPlan:
+    """The backend's plan with no value checks (the kernels' rule for any values)."""
+    B = state_indices.shape[0]
+    out = tuple(torch.empty(B, dtype=torch.int32, device=state_indices.device) for _ in range(4))
+    rs.get_backend(backend, state_indices.device).plan_commit(
+        num_accepted, state_indices, qsl, request_indices, block_table, num_computed_tokens, block_size or 1,
+        null_slot, num_slots, out)
+    return rs.CommitPlan(*out, null_slot=null_slot)
+
+
 def commit_one(state, records, num_accepted, state_indices, qsl, conv_state=None, max_batch=None,
                conv_width=None, **kw):
     ctx = rs.CommitContext([[rs.LayerCache(state, records, conv_state=conv_state, conv_width=conv_width)]],

@@ -7,7 +7,9 @@ the calls they make through the ``cuda`` backend or ``cpu_ref``.
 import pytest
 
 import recoverssm as rs
-from helpers import run_verify
+import torch
+
+from helpers import legal_accepted, run_verify
 
 SETTINGS = [
     pytest.param(dict(device="cpu", H=2, HV=4, K=16, V=16, lens=[[3, 1, 4, 0, 2], [1, 2]], Ts=[1, 2, 4]),
@@ -27,6 +29,11 @@ def dims(s):
 def verify(p, backend, records=None, **over):
     """``gdn_verify`` of problem ``p`` on ``backend``; returns ``(out, records)``."""
     return run_verify(p, records, backend=backend, **over)
+
+
+def accepted_tensor(ns, p):
+    """Accepted counts ``ns`` (one per row), clamped to each row's window, on ``p``'s device."""
+    return torch.tensor(legal_accepted(ns, p.lens), dtype=torch.int32, device=p.q.device)
 
 
 def commit(p, state, records, num_accepted, backend, **kw):

@@ -197,7 +197,7 @@ def test_null_slot_outside_int32_is_refused(null_slot):
 
 
 def test_block_size_outside_int32_is_refused():
-    with pytest.raises(ValueError, match=r"^plan_commit: block_size must be <= 2147483647"):
+    with pytest.raises(ValueError, match=r"^plan_commit: block_size must be in \[1, 2147483647\]"):
         rs.plan_commit(torch.tensor([1], dtype=I32), torch.tensor([0], dtype=I32), torch.tensor([0, 1], dtype=I32),
                        block_table=torch.zeros(1, 1, dtype=I32), num_computed_tokens=torch.zeros(1, dtype=I32),
                        block_size=2**31)

@@ -12,7 +12,7 @@ import torch
 
 import recoverssm as rs
 from helpers import align_case, make_batch_problem, take_prefix
-from kernel_settings import SETTINGS, commit, commit_table, dims, to_cpu, verify
+from kernel_settings import SETTINGS, accepted_tensor, commit, commit_table, dims, to_cpu, verify
 
 
 @pytest.mark.parametrize("s", SETTINGS)
@@ -32,7 +32,7 @@ def test_commit_is_bit_identical_to_native(s, state_dtype):
                                         **p.call_kwargs(state=snap_state))
             for n in range(0, T + 2):
                 committed = p.state.clone()
-                commit(p, committed, rec, torch.full((B,), n, dtype=torch.int32, device=p.q.device), "cuda")
+                commit(p, committed, rec, accepted_tensor([n] * B, p), "cuda")
                 native = p.state.clone()
                 q, k, v, gates, qsl = take_prefix(p, [n] * p.B)
                 rs.gdn_decode(q, k, v, state=native, state_indices=p.state_indices, query_start_loc=qsl,
@@ -53,7 +53,7 @@ def test_commit_equals_reference_commit_bitwise(s, state_dtype):
     T = max(lens)
     p = make_batch_problem(lens, T=T, padding=(1,), state_dtype=state_dtype, **dims(s))
     _, rec = verify(p, "cuda")
-    accepted = torch.tensor([(3 * r + 1) % (T + 1) for r in range(p.B)], dtype=torch.int32)
+    accepted = accepted_tensor([(3 * r + 1) % (T + 1) for r in range(p.B)], p).cpu()
     gpu_state = p.state.clone()
     commit(p, gpu_state, rec, accepted.to(p.q.device), "cuda")
     cpu_state, cpu_rec = to_cpu(p.state.clone(), rec)
@@ -112,7 +112,7 @@ def test_grouped_commit_equals_per_layer(s):
             group_args.append(dict(state_indices=p.state_indices, **align))
     qsl = layers[0][0][0].qsl
     before = [[(p.state.clone(), cs.clone()) for p, _, cs in g] for g in layers]
-    ctx = rs.CommitContext([[rs.LayerCache(p.state, rec, cs) for p, rec, cs in g] for g in layers],
+    ctx = rs.CommitContext([[rs.LayerCache(p.state, rec, cs, conv_width=4) for p, rec, cs in g] for g in layers],
                            max_batch=5, backend="cuda")
     ctx.commit(accepted, [a["state_indices"] for a in group_args], qsl,
                block_table=[a["block_table"] for a in group_args],
@@ -121,7 +121,7 @@ def test_grouped_commit_equals_per_layer(s):
     for gi, g in enumerate(layers):
         for li, (p, rec, cs) in enumerate(g):
             st, cst = before[gi][li]
-            single = rs.CommitContext([[rs.LayerCache(st, rec, cst)]], max_batch=5, backend="cuda")
+            single = rs.CommitContext([[rs.LayerCache(st, rec, cst, conv_width=4)]], max_batch=5, backend="cuda")
             args = group_args[gi]
             single.commit(accepted, args["state_indices"], qsl, block_table=args["block_table"],
                           num_computed_tokens=args["num_computed_tokens"], block_size=args["block_size"])
@@ -182,7 +182,7 @@ def test_steps_with_persistent_index_buffers(s):
     accepted, slots = torch.zeros_like(p.state_indices), p.state_indices.clone()
     qsl = p.qsl
     for step in range(6):
-        accepted.copy_(torch.tensor([(step + 2 * r) % 5 for r in range(p.B)], dtype=torch.int32))
+        accepted.copy_(accepted_tensor([(step + 2 * r) % 5 for r in range(p.B)], p))
         slots.copy_(p.state_indices.roll(step))    # distinct slots, a different row each step
         side = torch.cuda.Stream() if device == "cuda" and step % 2 else None
         if side is not None:
@@ -229,7 +229,7 @@ def test_repeated_runs_identical_bits():
     for _ in range(20):
         out, rec = verify(p, "cuda")
         st = p.state.clone()
-        commit(p, st, rec, torch.full((32,), 3, dtype=torch.int32, device="cuda"), "cuda")
+        commit(p, st, rec, accepted_tensor([3] * 32, p), "cuda")
         results.append((out, rec.correction.clone(), rec.key.clone(), rec.decay.clone(), st))
     for other in results[1:]:
         for x, y in zip(results[0], other):
@@ -254,7 +254,7 @@ def test_large_batch_commit_vs_snapshot(HV, T, state_dtype):
     rs.gdn_spec_decode_snapshot(p.q, p.k, p.v, backend="cuda", snapshot_slots=snap, **p.call_kwargs(state=snap_state))
     for n in range(1, T + 1):
         committed = p.state.clone()
-        commit(p, committed, rec, torch.full((B,), n, dtype=torch.int32, device="cuda"), "cuda")
+        commit(p, committed, rec, accepted_tensor([n] * B, p), "cuda")
         for r, slot in enumerate(p.state_indices.tolist()):
             m = min(n, lens[r])
             if slot >= 0:

@@ -11,7 +11,7 @@ import torch
 
 import recoverssm as rs
 from helpers import make_batch_problem, rel_err
-from kernel_settings import FP32_TOL, SETTINGS, commit, dims, recurrence_table, verify
+from kernel_settings import FP32_TOL, SETTINGS, accepted_tensor, commit, dims, recurrence_table, verify
 
 
 @pytest.mark.parametrize("s", SETTINGS)
@@ -120,7 +120,7 @@ def test_rows_per_thread_do_not_change_the_bits(s):
             assert torch.equal(getattr(rec, name), getattr(rec8, name)), (rows, name)
         assert torch.equal(native, native8), rows
     committed = p.state.clone()
-    commit(p, committed, rec8, torch.full((p.B,), 4, dtype=torch.int32, device=device), "cuda")
+    commit(p, committed, rec8, accepted_tensor([4] * p.B, p), "cuda")
     assert torch.equal(committed, results[-1][3])
 
 
@@ -238,7 +238,7 @@ def test_commit_matches_decode_whatever_the_input_alignment(s):
                       backend="cuda", **gates)
         committed = state.clone()
         ctx = rs.CommitContext([[rs.LayerCache(committed, rec)]], max_batch=len(lens), backend="cuda")
-        ctx.commit(torch.full((len(lens),), T, dtype=torch.int32, device=device), slots, qsl)
+        ctx.commit(torch.tensor(lens, dtype=torch.int32, device=device), slots, qsl)
         native = state.clone()
         rs.gdn_decode(q.contiguous(), k.contiguous(), v.contiguous(), state=native, state_indices=slots,
                       query_start_loc=qsl, backend="cuda", **gates)
@@ -285,7 +285,7 @@ def test_every_recurrence_tile(s, tile):
         for name in ("correction", "key", "decay"):
             assert rel_err(getattr(rec, name), getattr(ref_rec, name)) < FP32_TOL, (K, V, name)
         committed = p.state.clone()
-        commit(p, committed, rec, torch.full((p.B,), 4, dtype=torch.int32, device=device), "cuda")
+        commit(p, committed, rec, accepted_tensor([4] * p.B, p), "cuda")
         native = p.state.clone()
         launch.recurrence(cfg, "decode", p.q.contiguous(), p.k.contiguous(), p.v.contiguous(), native,
                              p.state_indices, p.qsl, gates, K ** -0.5, True, -1,

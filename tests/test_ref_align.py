@@ -1,10 +1,15 @@
-"""Align mode (prefix caching): the plan worked out by hand, and the states it writes."""
+"""Align mode (prefix caching): the plan worked out by hand, and the states it writes.
+
+Two hand-worked cases hold values the value checks reject (more accepted tokens than the window,
+a last token past the block table): the kernels' rule still defines them (clamped), so every case
+runs through the backends with no checks, and the legal ones through the public ops too."""
 
 import pytest
 import torch
 
 import recoverssm as rs
-from helpers import BF16, F32, commit_one, decode_after, i32, make_problem, run_verify
+from helpers import (BF16, F32, commit_one, commit_unchecked, decode_after, i32, make_problem, plan_unchecked,
+                     run_verify)
 
 BS = 4
 NULL = -1
@@ -41,6 +46,9 @@ CASES = [
     ("padding row", 6, 4, 4, [49, 50, 51, 52], NULL, (0, NULL, NULL, 0)),
 ]
 NUM_SLOTS = 56
+#: cases the value checks reject, and the argument they name
+REJECTED = {"n > len clamped": "num_accepted", "final clamped to last column": "block_table"}
+LEGAL = [c for c in CASES if c[0] not in REJECTED]
 
 
 def build(state_dtype=F32, seed=0, cases=CASES):
@@ -53,28 +61,45 @@ def build(state_dtype=F32, seed=0, cases=CASES):
     return p, num_accepted, block_table, nct
 
 
-def test_plan_by_hand():
-    p, num_accepted, block_table, nct = build()
-    plan = rs.plan_commit(num_accepted, p.state_indices, p.qsl, block_table=block_table,
-                          num_computed_tokens=nct, block_size=BS)
+def assert_plan(plan, cases):
     got = plan.as_dict()
-    for r, case in enumerate(CASES):
+    for r, case in enumerate(cases):
         row = tuple(got[k][r] for k in ("commit_len", "final_slot", "boundary_slot", "boundary_len"))
         assert row == case[6], f"{case[0]}: plan {row}, expected {case[6]}"
     for t in (plan.commit_len, plan.final_slot, plan.boundary_slot, plan.boundary_len):
-        assert t.dtype == torch.int32 and t.shape == (len(CASES),)
+        assert t.dtype == torch.int32 and t.shape == (len(cases),)
+
+
+def test_plan_by_hand():
+    p, num_accepted, block_table, nct = build()
+    assert_plan(plan_unchecked(num_accepted, p.state_indices, p.qsl, block_table=block_table,
+                               num_computed_tokens=nct, block_size=BS), CASES)
+    p, num_accepted, block_table, nct = build(cases=LEGAL)
+    assert_plan(rs.plan_commit(num_accepted, p.state_indices, p.qsl, block_table=block_table,
+                               num_computed_tokens=nct, block_size=BS), LEGAL)
+
+
+@pytest.mark.parametrize("name", sorted(REJECTED))
+def test_plan_checks_reject_what_the_kernels_clamp(name):
+    p, num_accepted, block_table, nct = build(cases=[c for c in CASES if c[0] == name])
+    with pytest.raises(ValueError, match=rf"^plan_commit: {REJECTED[name]} "):
+        rs.plan_commit(num_accepted, p.state_indices, p.qsl, block_table=block_table, num_computed_tokens=nct,
+                       block_size=BS)
 
 
 def test_plan_non_align_and_request_indices():
     # non-align: final = source, no boundary; lengths clamp; request_indices maps rows to requests
+    # (checks off: counts past a window clamp)
     num_accepted = i32([5, 0, 2, 9])                # per request
     slots = i32([3, 7, -1, 2])
     qsl = i32([0, 2, 5, 7, 10])
-    plan = rs.plan_commit(num_accepted, slots, qsl, request_indices=i32([3, 0, 2, 1]))
+    plan = plan_unchecked(num_accepted, slots, qsl, request_indices=i32([3, 0, 2, 1]))
     assert plan.as_dict() == {"commit_len": [2, 3, 0, 0], "final_slot": [3, 7, -1, -1],
                               "boundary_slot": [-1, -1, -1, -1], "boundary_len": [0, 0, 0, 0]}
-    plan = rs.plan_commit(num_accepted, slots, qsl)
+    plan = plan_unchecked(num_accepted, slots, qsl)
     assert plan.as_dict()["commit_len"] == [2, 0, 0, 3]
+    plan = rs.plan_commit(i32([3, 0, 2, 2]), slots, qsl, request_indices=i32([3, 0, 2, 1]))
+    assert plan.as_dict()["commit_len"] == [2, 3, 0, 0]
     # null_slot other than -1: slots <= null_slot are padding
     plan = rs.plan_commit(i32([1, 1]), i32([2, 3]), i32([0, 1, 2]), null_slot=2)
     assert plan.as_dict() == {"commit_len": [0, 1], "final_slot": [2, 3], "boundary_slot": [2, 2],
@@ -108,8 +133,16 @@ def test_align_commit_states(state_dtype, regime):
     _, records = run_verify(p)
     exp = expected_pool(p, CASES)
     pool = p.state.clone()
-    commit_one(pool, records, num_accepted, p.state_indices, p.qsl, block_table=block_table,
-               num_computed_tokens=nct, block_size=BS)
+    commit_unchecked(pool, records, num_accepted, p.state_indices, p.qsl, block_table=block_table,
+                     num_computed_tokens=nct, block_size=BS)
+    legal = torch.tensor([c[0] not in REJECTED for c in CASES])
+    checked = p.state.clone()
+    commit_one(checked, records, torch.where(legal, num_accepted, 0), torch.where(legal, p.state_indices, -1), p.qsl,
+               block_table=block_table, num_computed_tokens=nct, block_size=BS)
+    written = {slot for c in CASES if c[0] in REJECTED for slot in c[6][1:3] if slot != NULL}
+    for slot in range(NUM_SLOTS):
+        want = p.state[slot] if slot in written else exp[slot]
+        assert torch.equal(checked[slot], want), f"checked commit, slot {slot}"
     for r, case in enumerate(CASES):
         n, final, boundary, _ = case[6]
         for slot in (final, boundary):
@@ -142,14 +175,15 @@ def test_align_block_size_one_and_large():
     # bs=1: row 0 tokens 6..9 with n=3: final = bt[0][8]? width 8 -> column min(8, 7) = 7;
     # next boundary 7 -> boundary = bt[0][6] = 6 after 1 token. Row 1: tokens 2,3,4 with n=2 ->
     # final = bt[1][3] = 11, boundary = bt[1][2] = 10 after 1 token.
-    plan = rs.plan_commit(i32([3, 2]), p.state_indices, p.qsl, block_table=bt, num_computed_tokens=nct,
+    # (row 0's last token is past the table: the checks reject it, the kernels clamp the column)
+    plan = plan_unchecked(i32([3, 2]), p.state_indices, p.qsl, block_table=bt, num_computed_tokens=nct,
                           block_size=1)
     assert plan.as_dict() == {"commit_len": [3, 2], "final_slot": [7, 11], "boundary_slot": [6, 10],
                               "boundary_len": [1, 1]}
     # bs=1 with source 5 and 9: row 0 reads 5 (= bt[0][5], the block of token 5) fine.
     pool = p.state.clone()
-    commit_one(pool, records, i32([3, 2]), p.state_indices, p.qsl, block_table=bt,
-               num_computed_tokens=nct, block_size=1)
+    commit_unchecked(pool, records, i32([3, 2]), p.state_indices, p.qsl, block_table=bt,
+                     num_computed_tokens=nct, block_size=1)
     after3 = decode_after(p, [3, 2])
     after1 = decode_after(p, [1, 1])
     exp = p.state.clone()
@@ -187,8 +221,8 @@ def test_align_conv_compaction(conv_dtype):
             exp[boundary, :, :hist] = seq[:, bl:bl + hist]
         exp[final, :, :hist] = seq[:, n:n + hist]
     pool = p.state.clone()
-    commit_one(pool, records, num_accepted, p.state_indices, p.qsl, conv_state=conv_state,
-               block_table=block_table, num_computed_tokens=nct, block_size=BS)
+    commit_unchecked(pool, records, num_accepted, p.state_indices, p.qsl, conv_state=conv_state, conv_width=width,
+                     block_table=block_table, num_computed_tokens=nct, block_size=BS)
     assert torch.equal(conv_state, exp)
     assert torch.equal(pool, expected_pool(p, CASES))
     assert not torch.equal(conv_state, after_verify)

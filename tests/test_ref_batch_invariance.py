@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import recoverssm as rs
-from helpers import BF16, F32, assemble, commit_one, i32, row_data
+from helpers import BF16, F32, assemble, commit_one, i32, legal_accepted, row_data
 
 TARGET_LEN = 5
 
@@ -42,7 +42,7 @@ def run_composition(target, comp, kw, regime, ns_other):
         pool = p.state.clone()
         na = [ns_other] * len(rows)
         na[pos] = n
-        commit_one(pool, records, i32(na), p.state_indices, p.qsl, max_batch=16)
+        commit_one(pool, records, i32(legal_accepted(na, p.lens)), p.state_indices, p.qsl, max_batch=16)
         committed[n] = pool[tslot].clone()
     return o, rec, committed
 

@@ -1,4 +1,8 @@
-"""The commit of verify's records is bit-identical to the native per-token path (contract section 2)."""
+"""The commit of verify's records is bit-identical to the native per-token path.
+
+Accepted counts within each row's window go through the public commit (value checks on); counts
+outside it (negative, past the window) go through the committer with no checks, which clamps
+them, as a GPU commit with ``check`` off does."""
 
 import random
 
@@ -6,7 +10,8 @@ import pytest
 import torch
 
 import recoverssm as rs
-from helpers import (BF16, F32, commit_one, decode_after, i32, make_problem, run_verify)
+from helpers import (BF16, F32, commit_one, commit_unchecked, decode_after, i32, legal_accepted, make_problem,
+                     run_verify)
 
 # ragged and padded batches per window length: (lens, slots); -1 = padding row
 BATCHES = {
@@ -17,9 +22,10 @@ BATCHES = {
 }
 
 
-def commit_state(p, records, ns, **kw):
+def commit_state(p, records, ns, checked=True, **kw):
+    """The pool after a commit of ``ns``: through the public API (``checked``), else with no value checks."""
     pool = p.state.clone()
-    commit_one(pool, records, i32(ns), p.state_indices, p.qsl, **kw)
+    (commit_one if checked else commit_unchecked)(pool, records, i32(ns), p.state_indices, p.qsl, **kw)
     return pool
 
 
@@ -34,11 +40,12 @@ def test_commit_equals_decode_every_n(T, state_dtype, regime, gate_form):
     _, records = run_verify(p)
     assert torch.equal(p.state, state_before)
     distinct = set()
-    for n in range(0, T + 3):          # n > len is clamped to len
+    for n in range(0, T + 3):          # n > len: rejected by the checks, clamped to len by the kernels
         ns = [n] * p.B
-        committed = commit_state(p, records, ns)
+        committed = commit_state(p, records, legal_accepted(ns, lens))
         expected = decode_after(p, ns)
         assert torch.equal(committed, expected), f"n={n}: commit != decode"
+        assert torch.equal(commit_state(p, records, ns, checked=False), expected), f"n={n}: unchecked"
         if n == 0:
             assert torch.equal(committed, p.state), "n=0 must leave the pool unchanged"
         distinct.add(committed.numpy().tobytes() if state_dtype == F32 else committed.view(torch.int16).numpy().tobytes())
@@ -56,9 +63,13 @@ def test_commit_equals_decode_mixed_accepts(state_dtype, regime):
     rng = random.Random(5)
     for _ in range(12):
         ns = [rng.randint(0, 10) for _ in lens]
-        assert torch.equal(commit_state(p, records, ns), decode_after(p, ns)), ns
-    # negative num_accepted clamps to 0: nothing written
-    assert torch.equal(commit_state(p, records, [-3] * p.B), p.state)
+        expected = decode_after(p, ns)
+        assert torch.equal(commit_state(p, records, legal_accepted(ns, lens)), expected), ns
+        assert torch.equal(commit_state(p, records, ns, checked=False), expected), ns
+    # a negative num_accepted: rejected by the checks; the kernels clamp it to 0 (nothing written)
+    with pytest.raises(ValueError, match="^CommitContext.commit: num_accepted entry 0 = -3 is outside"):
+        commit_state(p, records, [-3] * p.B)
+    assert torch.equal(commit_state(p, records, [-3] * p.B, checked=False), p.state)
 
 
 def test_commit_ignores_records_past_commit_len():
@@ -66,7 +77,7 @@ def test_commit_ignores_records_past_commit_len():
     lens, slots = BATCHES[4]
     p = make_problem(lens, slots, seed=22)
     _, records = run_verify(p)
-    ns = [2, 1, 0, 3, 1, 1]
+    ns = legal_accepted([2, 1, 0, 3, 1, 1], lens)
     ref = commit_state(p, records, ns)
     for r, n in enumerate(ns):
         m = min(n, lens[r])
@@ -82,7 +93,7 @@ def test_commit_from_records_only_not_inputs():
     lens, slots = BATCHES[4]
     p = make_problem(lens, slots, seed=23)
     _, records = run_verify(p)
-    ns = [4, 2, 1, 3, 4, 1]
+    ns = legal_accepted([4, 2, 1, 3, 4, 1], lens)
     expected = decode_after(p, ns)
     p.q.zero_(), p.k.zero_(), p.v.zero_()
     assert torch.equal(commit_state(p, records, ns), expected)
@@ -105,7 +116,7 @@ def test_snapshot_slot_equals_commit(T, state_dtype, regime):
     out_ver, records = run_verify(p)
     assert torch.equal(out_snap, out_ver)
     for t in range(T):
-        committed = commit_state(p, records, [t + 1] * B)
+        committed = commit_state(p, records, legal_accepted([t + 1] * B, lens))
         for r in range(B):
             if slots[r] < 0 or lens[r] <= t:
                 assert (pool[snap[r, t]] == 0).all(), f"row {r} t {t}: snapshot slot written"

@@ -84,7 +84,7 @@ def test_commit_rounding_is_exact(vector_decay, state_dtype):
     for n in range(0, T + 1):
         pool = state.clone()
         ctx = rs.CommitContext([[rs.LayerCache(pool, records)]], max_batch=B)
-        ctx.commit(i32([n, n]), i32(slots), qsl_of(lens))
+        ctx.commit(i32([min(n, length) for length in lens]), i32(slots), qsl_of(lens))
         for r, slot in enumerate(slots):
             m = min(n, lens[r])
             for hv in range(HV):

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import recoverssm as rs
-from helpers import (BF16, F32, assert_bf16_rounded, assert_close_rel, commit_one, i32,
+from helpers import (BF16, F32, assert_bf16_rounded, assert_close_rel, commit_one, i32, legal_accepted,
                      make_problem, qsl_of, ref_conv, run_verify)
 
 LENS = [3, 0, 8, 1, 5, 2]
@@ -114,7 +114,8 @@ def test_conv_compaction_non_align(conv_dtype, width):
     for n in range(0, 10):
         cs = after_verify.clone()
         pool = p.state.clone()
-        commit_one(pool, records, i32([n] * len(LENS)), p.state_indices, p.qsl, conv_state=cs)
+        commit_one(pool, records, i32(legal_accepted([n] * len(LENS), LENS)), p.state_indices, p.qsl, conv_state=cs,
+                   conv_width=width)
         exp = after_verify.clone()
         for r, slot in enumerate(SLOTS):
             m = min(n, LENS[r])
@@ -129,9 +130,9 @@ def test_conv_compaction_non_align(conv_dtype, width):
 
 def test_conv_compaction_mixed_accepts_and_commit_state():
     p, x, conv_state, history_before, records = conv_commit_case(F32, 4, seed=12)
-    ns = [1, 5, 8, 1, 3, 0]
+    ns = legal_accepted([1, 5, 8, 1, 3, 0], LENS)
     pool_a = p.state.clone()
-    commit_one(pool_a, records, i32(ns), p.state_indices, p.qsl, conv_state=conv_state)
+    commit_one(pool_a, records, i32(ns), p.state_indices, p.qsl, conv_state=conv_state, conv_width=4)
     pool_b = p.state.clone()
     commit_one(pool_b, records, i32(ns), p.state_indices, p.qsl)
     assert torch.equal(pool_a, pool_b), "a conv state must not change the recurrent commit"

@@ -81,7 +81,7 @@ def call_conv(kw):
 
 
 def plan_base():
-    return dict(num_accepted=i32([2, 1, 3]), state_indices=i32([0, 2, 1]), query_start_loc=i32([0, 3, 3, 5]))
+    return dict(num_accepted=i32([2, 0, 2]), state_indices=i32([0, 2, 1]), query_start_loc=i32([0, 3, 3, 5]))
 
 
 def plan_align_base():
@@ -104,8 +104,8 @@ def commit_base(align=False, conv=True):
     records = p.records(max_window=4)
     rs.gdn_verify(p.q, p.k, p.v, records=records, **p.call_kwargs())
     conv_state = torch.randn(NUM_SLOTS, 8, 3 + 4) if conv else None
-    kw = dict(layer=rs.LayerCache(p.state, records, conv_state=conv_state), max_batch=3,
-              num_accepted=i32([2, 1, 3]), state_indices=p.state_indices, query_start_loc=p.qsl)
+    kw = dict(layer=rs.LayerCache(p.state, records, conv_state=conv_state, conv_width=4 if conv else None),
+              max_batch=3, num_accepted=i32([2, 0, 2]), state_indices=p.state_indices, query_start_loc=p.qsl)
     if align:
         kw.update(block_table=torch.tensor([[0, 3], [2, 5], [1, 4]], dtype=torch.int32),
                   num_computed_tokens=i32([3, 1, 3]), block_size=4)     # as in plan_align_base
@@ -146,7 +146,8 @@ def call_two_groups(kw):
 def context_base():
     p = make_problem([3, 0, 2], [0, 2, 1], num_slots=NUM_SLOTS)
     p2 = make_problem([3, 0, 2], [0, 2, 1], num_slots=NUM_SLOTS, seed=2)
-    return dict(groups=[[rs.LayerCache(p.state, p.records(max_window=4), conv_state=torch.zeros(NUM_SLOTS, 8, 7))],
+    return dict(groups=[[rs.LayerCache(p.state, p.records(max_window=4), conv_state=torch.zeros(NUM_SLOTS, 8, 7),
+                                      conv_width=4)],
                         [rs.LayerCache(p2.state, p2.records(max_window=4))]], max_batch=3)
 
 
@@ -280,8 +281,9 @@ VERIFY_CASES = [
     ("records too few rows", recs(lambda r: records_like(2, 4)), VE, "records"),
     ("row longer than the records window", recs(lambda r: records_like(3, 2)), VE, "query_start_loc"),
     ("records vector decay", recs(lambda r: records_like(3, 4, vector_decay=True)), VE, "records"),
-    ("records wrong H", recs(lambda r: records_like(3, 4, H=1)), VE, "records.key"),
-    ("records wrong V", recs(lambda r: records_like(3, 4, V=8)), VE, "records.correction"),
+    # the per-step q against the records' H; the state against the records' sizes (both named)
+    ("records wrong H", recs(lambda r: records_like(3, 4, H=1)), VE, "q"),
+    ("records wrong V", recs(lambda r: records_like(3, 4, V=8)), VE, "state"),
     ("records bf16", recs(lambda r: rs.ReplayRecords(r.correction.to(BF16), r.key, r.decay)), TE, "records.correction"),
     ("records strided", recs(lambda r: rs.ReplayRecords(r.correction, r.key, strided_last(r.decay))), VE, "records.decay"),
     ("records on another device", recs(lambda r: rs.ReplayRecords(on_meta(r.correction), r.key, r.decay)), VE, "records.correction"),
@@ -327,7 +329,8 @@ CONV_CASES = [
     ("weight channels", setk("weight", lambda kw: kw["weight"][:4].contiguous()), VE, "weight"),
     ("weight int", setk("weight", lambda kw: kw["weight"].int()), TE, "weight"),
     ("weight on another device", setk("weight", lambda kw: on_meta(kw["weight"])), VE, "weight"),
-    ("conv_state channels", setk("conv_state", lambda kw: kw["conv_state"][:, :4].contiguous()), VE, "conv_state"),
+    # conv_dim comes from the conv state; the weight that disagrees is named, with where it came from
+    ("conv_state channels", setk("conv_state", lambda kw: kw["conv_state"][:, :4].contiguous()), VE, "weight"),
     ("conv_state no window room", setk("conv_state", lambda kw: kw["conv_state"][:, :, :3].contiguous()), VE, "conv_state"),
     ("conv_state 2 dims", setk("conv_state", lambda kw: kw["conv_state"][0]), VE, "conv_state"),
     ("bias wrong shape", setk("bias", lambda kw: kw["bias"][:4].contiguous()), VE, "bias"),
@@ -458,13 +461,16 @@ CONTEXT_CASES = [
     ("records key not contiguous", group0_mut(lambda cache: rs.LayerCache(cache.state, rs.ReplayRecords(
         cache.records.correction, cache.records.key.transpose(0, 1).contiguous().transpose(0, 1), cache.records.decay))),
      VE, "groups[0][0].records.key"),
-    ("conv_state slot count", group0_mut(lambda cache: rs.LayerCache(cache.state, cache.records, conv_state=torch.zeros(3, 8, 7))),
+    ("conv_state slot count", group0_mut(lambda cache: rs.LayerCache(cache.state, cache.records, conv_state=torch.zeros(3, 8, 7),
+                                                                                conv_width=4)),
      VE, "groups[0][0].conv_state"),
     ("conv_state narrower than the window", group0_mut(lambda cache: rs.LayerCache(cache.state, cache.records,
-                                                                                   conv_state=torch.zeros(NUM_SLOTS, 8, 3))),
+                                                                                   conv_state=torch.zeros(NUM_SLOTS, 8, 3),
+                                                                                   conv_width=4)),
      VE, "groups[0][0].conv_state"),
     ("conv_state int", group0_mut(lambda cache: rs.LayerCache(cache.state, cache.records,
-                                                              conv_state=torch.zeros(NUM_SLOTS, 8, 7, dtype=torch.int32))),
+                                                              conv_state=torch.zeros(NUM_SLOTS, 8, 7, dtype=torch.int32),
+                                                              conv_width=4)),
      TE, "groups[0][0].conv_state"),
     ("layers on two devices", setk("groups", lambda kw: [kw["groups"][0], [rs.LayerCache(
         on_meta(kw["groups"][1][0].state), kw["groups"][1][0].records)]]), VE, "groups[1][0].state"),

@@ -99,7 +99,7 @@ def test_xpu_launch_path_matches_reference(monkeypatch):
     states = {}
     for name in ("xpu", "cpu_ref"):
         st, cv = p.state.clone(), conv.clone()
-        ctx = rs.CommitContext([[rs.LayerCache(st, rec_r, cv)]], max_batch=4, backend=name)
+        ctx = rs.CommitContext([[rs.LayerCache(st, rec_r, cv, conv_width=4)]], max_batch=4, backend=name)
         ctx.commit(accepted, p.state_indices, p.qsl)
         states[name] = (st, cv)
     assert torch.equal(states["xpu"][0], states["cpu_ref"][0])

@@ -102,8 +102,8 @@ class GdnProblem:
         if c.B and c.T > 1:
             self.snapshot_slots[0][0] = -1            # an entry <= null_slot is skipped
         self.qsl = query_start_loc(c.lengths)
-        # accepted tokens per row: 0 .. len + 1 (over-long values must clamp to len)
-        self.num_accepted = [int(torch.randint(0, n + 2, (1,), generator=gen)) for n in c.lengths]
+        # accepted tokens per row: 0 .. len (the row's window)
+        self.num_accepted = [int(torch.randint(0, n + 1, (1,), generator=gen)) for n in c.lengths]
 
     def live_rows(self) -> list[int]:
         return [r for r in range(self.case.B) if self.sources[r] > -1 and self.case.lengths[r] > 0]
@@ -221,7 +221,7 @@ def random_align_step(B: int, lengths: Sequence[int], block_sizes: Sequence[int]
         nct[0] = 2 * block_sizes[0]                     # window starts exactly on a boundary
     num_accepted = [0] * B
     for r in range(B):
-        num_accepted[request_of[r]] = rng.randint(0, lengths[r] + 1)
+        num_accepted[request_of[r]] = rng.randint(0, lengths[r])
     groups = []
     for g, bs in enumerate(block_sizes):
         width = (max(nct) + T) // bs + 2

@@ -13,6 +13,7 @@ from typing import Optional, Union
 import torch
 
 from .backend import Backend
+from .indices import INT32_MAX, INT32_MIN
 from .ops import op, resolve_name
 from .types import ReplayRecords
 
@@ -25,6 +26,25 @@ def check_types(op_name: str, **tensors) -> None:
     for name, x in tensors.items():
         if x is not None and not isinstance(x, torch.Tensor):
             raise TypeError(f"{op_name}: {name} must be a torch.Tensor, got {type(x).__name__}")
+
+
+def check_int(op_name: str, name: str, value, *, optional: bool = False, minimum: int = INT32_MIN) -> None:
+    """``TypeError`` unless ``value`` is an int (or None where ``optional``); ``ValueError`` outside
+    ``[minimum, 2^31 - 1]`` (the kernels take these as 32-bit integers)."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{op_name}: {name} must be an int, got {type(value).__name__}")
+    if not minimum <= value <= INT32_MAX:
+        raise ValueError(f"{op_name}: {name} must be in [{minimum}, {INT32_MAX}], got {value}")
+
+
+def check_real(op_name: str, name: str, value, *, optional: bool = True) -> None:
+    """``TypeError`` unless ``value`` is a real number (or None where ``optional``); not a bool."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{op_name}: {name} must be a float, got {type(value).__name__}")
 
 
 def _silu(op_name: str, activation) -> bool:
@@ -69,6 +89,7 @@ def conv_verify(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
     check_types(name, x=x, conv_state=conv_state, weight=weight, bias=bias, state_indices=state_indices,
                 query_start_loc=query_start_loc, out=out)
     silu = _silu(name, activation)
+    check_int(name, "null_slot", null_slot)
     out = _out_like(x, out)
     op(name)(x, conv_state, weight, bias, state_indices, query_start_loc, silu, null_slot, out,
              resolve_name(backend), check)
@@ -96,6 +117,7 @@ def conv_decode(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
     check_types(name, x=x, conv_state=conv_state, weight=weight, bias=bias, state_indices=state_indices,
                 out=out)
     silu = _silu(name, activation)
+    check_int(name, "null_slot", null_slot)
     out = _out_like(x, out)
     op(name)(x, conv_state, weight, bias, state_indices, silu, null_slot, out, resolve_name(backend), check)
     return out
@@ -142,6 +164,11 @@ def _recurrence(kind: str, mode: str, q, k, v, state, state_indices, query_start
     lower = {} if kind == "gdn" else {"lower_bound": gates.pop("lower_bound")}
     check_types(name, q=q, k=k, v=v, state=state, state_indices=state_indices, query_start_loc=query_start_loc,
                 snapshot_slots=snapshot_slots, out=out, **gates)
+    check_int(name, "null_slot", null_slot)
+    check_real(name, "scale", scale)
+    check_real(name, "lower_bound", lower.get("lower_bound"))
+    if not isinstance(use_qk_l2norm, bool):
+        raise TypeError(f"{name}: use_qk_l2norm must be a bool, got {type(use_qk_l2norm).__name__}")
     out = _out_like(v, out)
     head = (q, k, v, state, state_indices, query_start_loc)
     tail = (scale, use_qk_l2norm, null_slot, out, resolve_name(backend), check)

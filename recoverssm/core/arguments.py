@@ -14,7 +14,7 @@ import torch
 from .backend import GateInputs
 from .indices import INT32_MAX, is_request
 from .plan import plan_rows
-from .validation import FLOAT_DTYPES, STATE_DTYPES, Checker, wants_value_checks
+from .validation import FLOAT_DTYPES, STATE_DTYPES, Checker
 
 F32 = (torch.float32,)
 
@@ -61,9 +61,9 @@ def check_records(c: Checker, name: str, correction, key, decay,
 # conv
 # ------------------------------------------------------------------------------------------------
 def check_conv(op: str, x, conv_state, weight, bias, state_indices, query_start_loc, null_slot: int,
-               out, check: Optional[bool]) -> None:
+               out, check: Optional[bool], static: bool = False) -> None:
     """``conv_verify`` (``query_start_loc`` given) and ``conv_decode`` (``None``: one token per row)."""
-    c = Checker(op, conv_state.device if isinstance(conv_state, torch.Tensor) else torch.device("cpu"))
+    c = Checker(op, x.device if isinstance(x, torch.Tensor) else torch.device("cpu"), static)
     c.tensor("conv_state", conv_state, dims=3, dtypes=FLOAT_DTYPES)
     num_slots, dim, cols = conv_state.shape
     c.size("conv_state", dim, "conv_dim")
@@ -92,7 +92,7 @@ def check_conv(op: str, x, conv_state, weight, bias, state_indices, query_start_
     c.writes([("out", out), ("conv_state", conv_state)],
              [("x", x), ("weight", weight), ("bias", bias), ("state_indices", state_indices),
               ("query_start_loc", query_start_loc)])
-    if wants_value_checks(check, c.device):
+    if c.values(check):
         c.slots_in_range("state_indices", state_indices, num_slots, null_slot)
         slots = state_indices.tolist()
         if decoding:
@@ -145,10 +145,10 @@ def _check_gates(c: Checker, kind: str, T: int, HV: int, K: int, a, b, A_log, dt
 def check_recurrence(op: str, kind: str, mode: str, q, k, v, state, state_indices, query_start_loc,
                      a, b, A_log, dt_bias, g, beta, scale, use_qk_l2norm, null_slot: int, out,
                      records: Optional[tuple], snapshot_slots, lower_bound,
-                     check: Optional[bool]) -> RecurrenceArgs:
+                     check: Optional[bool], static: bool = False) -> RecurrenceArgs:
     """Every check of ``{gdn,kda}_{verify,decode,spec_decode_snapshot}``. ``records``:
     ``(correction, key, decay)`` in verify, else ``None``; ``snapshot_slots`` in snapshot mode."""
-    c = Checker(op, state.device if isinstance(state, torch.Tensor) else torch.device("cpu"))
+    c = Checker(op, q.device if isinstance(q, torch.Tensor) else torch.device("cpu"), static)
     c.tensor("state", state, dims=4, dtypes=STATE_DTYPES, last_contiguous=True)
     num_slots, HV, V, K = state.shape
     for what, size in (("HV", HV), ("V", V), ("K", K)):
@@ -157,8 +157,8 @@ def check_recurrence(op: str, kind: str, mode: str, q, k, v, state, state_indice
     if records is not None:
         rec = check_records(c, "records", *records, vector_decay=(kind == "kda"))
         if (rec.HV, rec.V, rec.K) != (HV, V, K):
-            c.fail("records", f"were allocated for HV={rec.HV}, V={rec.V}, K={rec.K}; "
-                              f"state has HV={HV}, V={V}, K={K}")
+            c.fail("state", f"has HV={HV}, V={V}, K={K}, but the records were allocated for "
+                            f"HV={rec.HV}, V={rec.V}, K={rec.K}")
         H = rec.H
     c.tensor("q", q, dims=3, dtypes=FLOAT_DTYPES, last_contiguous=True)
     T = q.shape[0]
@@ -199,7 +199,7 @@ def check_recurrence(op: str, kind: str, mode: str, q, k, v, state, state_indice
     else:
         written.append(("state", state))
     c.writes(written, read)
-    if wants_value_checks(check, c.device):
+    if c.values(check):
         _recurrence_values(c, mode, state_indices, query_start_loc, snapshot_slots, num_slots, null_slot, T,
                            records[0].shape[2] if records is not None else None)
     return RecurrenceArgs(gates, float(scale))
@@ -322,15 +322,16 @@ def check_step_values(c: Checker, num_accepted, state_indices, query_start_loc, 
 
 
 def check_plan(op: str, num_accepted, state_indices, query_start_loc, request_indices, block_table,
-               num_computed_tokens, block_size, null_slot, num_slots, check: Optional[bool]) -> tuple:
+               num_computed_tokens, block_size, null_slot, num_slots, check: Optional[bool],
+               static: bool = False) -> tuple:
     """``plan_commit``: returns ``(B, block_size, null_slot, num_slots)``."""
     device = num_accepted.device if isinstance(num_accepted, torch.Tensor) else torch.device("cpu")
-    c = Checker(op, device)
+    c = Checker(op, device, static)
     B, block_size = check_step_shapes(c, num_accepted, state_indices, query_start_loc, request_indices,
                                       block_table, num_computed_tokens, block_size)
     null_slot = c.null_slot(null_slot)
     num_slots = INT32_MAX if num_slots is None else c.integer("num_slots", num_slots, minimum=0)
-    if wants_value_checks(check, device):
+    if c.values(check):
         check_step_values(c, num_accepted, state_indices, query_start_loc, request_indices, block_table,
                           num_computed_tokens, block_size, null_slot, num_slots, None)
     return B, block_size, null_slot, num_slots

@@ -13,9 +13,9 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from .api import BackendArg, check_types
+from .api import BackendArg, check_int, check_types
 from .arguments import LayerTensors, check_layers, check_step_shapes, check_step_values, layer_names
-from .backend import CommitLayer, Committer, GroupStep
+from .backend import Backend, CommitLayer, Committer, GroupStep
 from .ops import backend_for, op, resolve_name
 from .registry import registry
 from .types import CommitPlan, LayerCache, ReplayRecords
@@ -49,9 +49,13 @@ def plan_commit(num_accepted: torch.Tensor, state_indices: torch.Tensor,
     :meth:`CommitContext.commit` computes the same plan inside its kernel; this op is for engines
     that want to see or reuse it.
     """
-    check_types("plan_commit", num_accepted=num_accepted, state_indices=state_indices,
+    name = "plan_commit"
+    check_types(name, num_accepted=num_accepted, state_indices=state_indices,
                 query_start_loc=query_start_loc, request_indices=request_indices, block_table=block_table,
                 num_computed_tokens=num_computed_tokens)
+    check_int(name, "block_size", block_size, optional=True, minimum=1)
+    check_int(name, "null_slot", null_slot)
+    check_int(name, "num_slots", num_slots, optional=True, minimum=0)
     outputs = op("plan_commit")(num_accepted, state_indices, query_start_loc, request_indices, block_table,
                                 num_computed_tokens, block_size, null_slot, num_slots, resolve_name(backend), check)
     return CommitPlan(*outputs, null_slot=null_slot)
@@ -212,6 +216,9 @@ class CommitContext:
         check_types("CommitContext.commit", num_accepted=num_accepted, query_start_loc=query_start_loc,
                     **{f"{n}[{g}]": t for n, values in zip(("state_indices", "request_indices", "block_table",
                                                            "num_computed_tokens"), per) for g, t in enumerate(values)})
+        for g, bs in enumerate(per[4]):
+            check_int("CommitContext.commit", f"block_size[{g}]" if G > 1 else "block_size", bs, optional=True,
+                      minimum=1)
         block_sizes = [0 if bs is None else bs for bs in per[4]]
         op("commit")(*self._layer_args, num_accepted, query_start_loc, *per[:4], block_sizes, self.null_slot,
                      self.max_batch, self.id, self.backend.name, check)
@@ -254,20 +261,23 @@ def _commit_layer(layer: LayerTensors) -> CommitLayer:
 # ------------------------------------------------------------------------------------------------
 def run_commit_op(states, conv_states, corrections, keys, decays, groups, conv_widths, num_accepted,
                   query_start_loc, state_indices, request_indices, block_tables, num_computed_tokens,
-                  block_sizes, null_slot, max_batch, context, backend, check) -> None:
+                  block_sizes, null_slot, max_batch, context, backend, check, static: bool = False) -> None:
     """Check one commit step and run it. The layers are those of :class:`CommitContext` ``context``
     when these are its very tensors; otherwise (a direct call of the op, or a compiled graph that
-    passes copies) they are checked here and a committer is built for them for this call."""
+    passes copies) they are checked here and a committer is built for them for this call.
+    ``static``: the op's fake implementation (checks that need no data; nothing runs)."""
     name = "CommitContext.commit"
     ctx = _CONTEXTS.get(context)
     if ctx is not None and ctx.owns(states, conv_states, corrections, keys, decays) and ctx.null_slot == null_slot:
         committer, layers, device = ctx.committer, ctx.layers, ctx.device
     else:
         committer, layers, device = _committer_for(states, conv_states, corrections, keys, decays, groups,
-                                                   conv_widths, max_batch, null_slot, backend)
-    c = Checker(name, device)
+                                                   conv_widths, max_batch, null_slot, backend, static)
+    c = Checker(name, device, static)
     steps = _check_step(c, layers, num_accepted, query_start_loc, state_indices, request_indices,
                         block_tables, num_computed_tokens, block_sizes, null_slot, max_batch, check)
+    if static:
+        return
     committer.commit(num_accepted, query_start_loc, steps)
     if ctx is not None:
         ctx._last_steps = steps       # what a repeat of this very step hands to commit_again
@@ -283,7 +293,7 @@ def _check_step(c: Checker, layers, num_accepted, query_start_loc, state_indices
     for n, values in lists:
         if len(values) != G:
             c.fail(n, f"has {len(values)} entries for {G} groups")
-    values_checked = wants_value_checks(check, c.device)
+    values_checked = c.values(check)
     steps, checked = [], set()
     for gi in range(G):
         suffix = f"[{gi}]" if G > 1 else ""
@@ -311,7 +321,7 @@ def _check_step(c: Checker, layers, num_accepted, query_start_loc, state_indices
 
 
 def _committer_for(states, conv_states, corrections, keys, decays, groups, conv_widths, max_batch, null_slot,
-                   backend):
+                   backend, static: bool = False):
     """Check layers given as the op's lists and build a committer for them (for one call: it is
     not kept, since it would keep the tensors alive)."""
     name = "CommitContext.commit"
@@ -329,7 +339,10 @@ def _committer_for(states, conv_states, corrections, keys, decays, groups, conv_
     layers = [LayerTensors(states[i], corrections[i], keys[i], decays[i], next(conv) if conv_widths[i] else None,
                            conv_widths[i], groups[i]) for i in range(n)]
     device = states[0].device
-    c = Checker(name, device)
+    c = Checker(name, device, static)
+    if static:
+        check_layers(c, layers, max_batch, frozenset(Backend.CAPABILITIES), "(any)")
+        return None, layers, device
     be = backend_for("commit", backend, device)
     check_layers(c, layers, max_batch, be.capabilities, be.name)
     committer = be.make_committer([_commit_layer(layer) for layer in layers], max(groups) + 1, max_batch, null_slot)

@@ -10,13 +10,14 @@ How the op finds its backend: one implementation is registered for every device
 (``CompositeExplicitAutograd``); at run time it resolves the backend through the pluggy registry
 (``core/registry.py``): the ``backend`` string argument when not empty, else
 ``RECOVERSSM_BACKEND``, else the tensors' device type. So ``RECOVERSSM_BACKEND`` and third-party
-backends work through the ops, and a compiled graph picks its backend when it runs. The fake
-implementations (``torch.library.register_fake``) only describe outputs.
+backends work through the ops, and a compiled graph picks its backend when it runs.
 
 Argument checks run inside the implementation, on real tensors, also in a compiled graph: shape,
 dtype, device, stride and overlap checks always; checks of index *values* on CPU tensors always
 and on device tensors when ``check`` is true (or ``RECOVERSSM_CHECK=1``), never during CUDA
-graph capture (``core/validation.py``).
+graph capture (``core/validation.py``). The fake implementations (``torch.library.register_fake``,
+what ``torch.compile`` traces, and what a call mixing meta tensors with others reaches) run the
+same checks but those that need data (``Checker.static``), and describe the outputs.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from typing import Optional
 import torch
 
 from .arguments import check_conv, check_plan, check_recurrence
+from .backend import Backend
 from .registry import BackendError, registry
 
 NAMESPACE = "recoverssm"
@@ -81,14 +83,19 @@ def backend_for(op: str, name: str, device: torch.device):
 # implementations
 # ------------------------------------------------------------------------------------------------
 def _conv_verify(x, conv_state, weight, bias, state_indices, query_start_loc, silu, null_slot, out,
-                 backend, check):
-    check_conv("conv_verify", x, conv_state, weight, bias, state_indices, query_start_loc, null_slot, out, check)
+                 backend, check, static=False):
+    check_conv("conv_verify", x, conv_state, weight, bias, state_indices, query_start_loc, null_slot, out, check,
+               static)
+    if static:
+        return
     be = backend_for("conv_verify", backend, conv_state.device)
     be.conv_verify(x, conv_state, weight, bias, state_indices, query_start_loc, silu, null_slot, out)
 
 
-def _conv_decode(x, conv_state, weight, bias, state_indices, silu, null_slot, out, backend, check):
-    check_conv("conv_decode", x, conv_state, weight, bias, state_indices, None, null_slot, out, check)
+def _conv_decode(x, conv_state, weight, bias, state_indices, silu, null_slot, out, backend, check, static=False):
+    check_conv("conv_decode", x, conv_state, weight, bias, state_indices, None, null_slot, out, check, static)
+    if static:
+        return
     be = backend_for("conv_decode", backend, conv_state.device)
     be.conv_decode(x, conv_state, weight, bias, state_indices, silu, null_slot, out)
 
@@ -100,11 +107,13 @@ def _recurrence(kind: str, mode: str):
 
     def impl(q, k, v, state, state_indices, query_start_loc, a, b, A_log, dt_bias, g, beta, scale,
              use_qk_l2norm, null_slot, out, backend, check, correction=None, key=None, decay=None,
-             snapshot_slots=None, lower_bound=None):
+             snapshot_slots=None, lower_bound=None, static=False):
         records = (correction, key, decay) if mode == "verify" else None
         args = check_recurrence(op, kind, mode, q, k, v, state, state_indices, query_start_loc, a, b, A_log,
                                 dt_bias, g, beta, scale, use_qk_l2norm, null_slot, out, records, snapshot_slots,
-                                lower_bound, check)
+                                lower_bound, check, static)
+        if static:
+            return
         be = backend_for(op, backend, state.device)
         be.recurrence(mode, q, k, v, state, state_indices, query_start_loc, args.gates, args.scale,
                       use_qk_l2norm, null_slot, out, records, snapshot_slots)
@@ -118,11 +127,13 @@ def _plan_outputs(state_indices: torch.Tensor) -> tuple:
 
 
 def _plan_commit(num_accepted, state_indices, query_start_loc, request_indices, block_table, num_computed_tokens,
-                 block_size, null_slot, num_slots, backend, check):
+                 block_size, null_slot, num_slots, backend, check, static=False):
     _, block_size, null_slot, num_slots = check_plan(
         "plan_commit", num_accepted, state_indices, query_start_loc, request_indices, block_table,
-        num_computed_tokens, block_size, null_slot, num_slots, check)
+        num_computed_tokens, block_size, null_slot, num_slots, check, static)
     out = _plan_outputs(state_indices)
+    if static:
+        return out
     be = backend_for("plan_commit", backend, num_accepted.device)
     be.plan_commit(num_accepted, state_indices, query_start_loc, request_indices, block_table,
                    num_computed_tokens, block_size or 1, null_slot, num_slots, out)
@@ -134,15 +145,6 @@ def _commit(**kwargs):
     run_commit_op(**kwargs)
 
 
-def _nothing(*args, **kwargs) -> None:
-    """Fake implementation of an op that only writes its arguments."""
-    return None
-
-
-def _plan_fake(num_accepted, state_indices, *args, **kwargs):
-    return _plan_outputs(state_indices)
-
-
 IMPLEMENTATIONS = {"conv_verify": _conv_verify, "conv_decode": _conv_decode, "plan_commit": _plan_commit,
                    "commit": _commit}
 for _kind in ("gdn", "kda"):
@@ -151,12 +153,13 @@ for _kind in ("gdn", "kda"):
         IMPLEMENTATIONS[_name] = _impl
 
 
-def _by_name(fn, schema: str):
-    """``fn`` called with the schema's arguments by name (the dispatcher passes them in order)."""
+def _by_name(fn, schema: str, static: bool):
+    """``fn`` called with the schema's arguments by name (the dispatcher passes them in order);
+    ``static``: the fake implementation (checks that need no data, no backend)."""
     names = tuple(a.name for a in torch._C.parse_schema("f" + schema).arguments)
 
-    def kernel(*args):
-        return fn(**dict(zip(names, args)))
+    def kernel(*args, **kwargs):
+        return fn(**dict(zip(names, args)), **kwargs, static=static)
 
     kernel.__name__ = fn.__name__
     return kernel
@@ -165,8 +168,8 @@ def _by_name(fn, schema: str):
 def _register() -> None:
     for name, schema in SCHEMAS.items():
         LIB.define(name + schema)
-        LIB.impl(name, _by_name(IMPLEMENTATIONS[name], schema), "CompositeExplicitAutograd")
-        torch.library.register_fake(f"{NAMESPACE}::{name}", _plan_fake if name == "plan_commit" else _nothing,
+        LIB.impl(name, _by_name(IMPLEMENTATIONS[name], schema, static=False), "CompositeExplicitAutograd")
+        torch.library.register_fake(f"{NAMESPACE}::{name}", _by_name(IMPLEMENTATIONS[name], schema, static=True),
                                     lib=LIB)
 
 
@@ -179,15 +182,12 @@ def op(name: str):
 
 
 def resolve_name(backend: Optional[object]) -> str:
-    """The ``backend`` argument of an op: a registered backend's name, or ``""`` for the
-    registry's choice. A :class:`~recoverssm.Backend` instance must be registered (its name
-    is what reaches the op)."""
+    """The ``backend`` argument of an op: ``""`` for the registry's choice, a backend's name, or
+    for a :class:`~recoverssm.Backend` object the key the registry keeps it under."""
     if backend is None:
         return ""
     if isinstance(backend, str):
         return backend
-    name = getattr(backend, "name", None)
-    if not isinstance(name, str) or registry().backends().get(name) is not backend:
-        raise BackendError(f"backend {backend!r} is not a registered backend; register it "
-                           "(recoverssm.core.registry.registry().register) or pass its name")
-    return name
+    if isinstance(backend, Backend):
+        return registry().key_for(backend)
+    raise TypeError(f"backend must be a name, a recoverssm.Backend or None, got {type(backend).__name__}")

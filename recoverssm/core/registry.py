@@ -43,6 +43,7 @@ class Registry:
         self._backends: Optional[dict[str, Backend]] = None
         self._environment: tuple[str, ...] = ()
         self._resolved: dict[tuple, tuple[Backend, str]] = {}
+        self._passed: dict[str, Backend] = {}     # backends passed as objects, by their key
         self._lock = threading.Lock()
 
     # ---- plugin loading -----------------------------------------------------------------------
@@ -103,7 +104,19 @@ class Registry:
         names = self.available_backends()
         return ", ".join(names) if names else "none"
 
+    def key_for(self, backend: Backend) -> str:
+        """The name an op receives for a backend passed as an object: its registered name when
+        it is the registered backend of that name, else a key of its own (kept, with the object,
+        for the life of the process)."""
+        if self.backends().get(backend.name) is backend:
+            return backend.name
+        key = f"{backend.name}@{id(backend):x}"
+        self._passed[key] = backend
+        return key
+
     def _by_name(self, name: str, why: str) -> Backend:
+        if name in self._passed:
+            return self._passed[name]
         backends = self.backends()
         if name not in backends:
             raise BackendError(f"unknown backend {name!r} ({why}); available: {self._describe_available()}")

@@ -25,7 +25,7 @@ STATE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def wants_value_checks(check: Optional[bool], device: torch.device) -> bool:
@@ -43,13 +43,22 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 class Checker:
-    """Collects the context (op name, reference device) so each rule is one short line."""
+    """Collects the context (op name, reference device) so each rule is one short line.
 
-    __slots__ = ("op", "device")
+    ``static``: only the checks that need no data (types, dtypes, devices, shapes, strides), as
+    an op's fake implementation runs them on fake tensors while ``torch.compile`` traces; the
+    overlap checks (addresses) and the value checks are skipped there and run when the op runs."""
 
-    def __init__(self, op: str, device: torch.device):
+    __slots__ = ("op", "device", "static")
+
+    def __init__(self, op: str, device: torch.device, static: bool = False):
         self.op = op
         self.device = device
+        self.static = static
+
+    def values(self, check: Optional[bool]) -> bool:
+        """Whether this call checks values held in tensors (``wants_value_checks``; never static)."""
+        return not self.static and wants_value_checks(check, self.device)
 
     def fail(self, name: str, msg: str, exc: type = ValueError):
         raise exc(f"{self.op}: {name} {msg}")
@@ -124,7 +133,7 @@ class Checker:
         Overlap is judged on byte ranges (first to last byte of each tensor), which also catches
         two tensors made over one buffer by other means than views; two interleaved views that
         never touch the same byte are refused as well, which no op here needs to allow."""
-        if self.device.type == "meta":
+        if self.static or self.device.type == "meta":
             return
         written = [(n, t) for n, t in written if t is not None and t.numel()]
         others = [(n, t) for n, t in read if t is not None and t.numel()]
