@@ -12,6 +12,7 @@ from recoverssm.build_info import package_version, source_commit
 from recoverssm.console import ProgressBar
 from recoverssm.console import format_table
 
+from . import model
 from .problems import align_step, commit_context, per_group_indices, window
 from .timing import CopyCeiling, copies_for, host_times, kernel_launches, median_us
 
@@ -207,7 +208,8 @@ def run_all(quick: bool = False, fla: bool = True, only: list[str] = ()) -> dict
     ceiling = CopyCeiling("cuda")
     want = lambda s: not only or s in only  # noqa: E731
     n_verify = (2 if quick else 2 * 3 * 4) if want("verify") else 0
-    cases = (1 if quick else 4) * want("commit") + n_verify + 2 * want("graph") + want("host")
+    n_model = len(model.grid(quick)) if want("model") else 0
+    cases = (1 if quick else 4) * want("commit") + n_verify + 2 * want("graph") + want("host") + n_model
     progress = ProgressBar(cases, "bench")
     props = torch.cuda.get_device_properties(0)
     result = dict(date=datetime.date.today().isoformat(), version=package_version(), commit=source_commit(),
@@ -222,6 +224,8 @@ def run_all(quick: bool = False, fla: bool = True, only: list[str] = ()) -> dict
             result["rows"] += bench_graph(ceiling, progress)
         if want("host"):
             result["rows"] += bench_host(progress)
+        if want("model"):
+            result["model"] = model.bench_model(ceiling, quick, progress)
     if want("memory"):
         result["rows"] += bench_memory()
     return result
@@ -256,9 +260,18 @@ def stamp(results: dict) -> str:
 def render(results: dict) -> str:
     lines = [f"recoverssm bench  {results['date']}  {stamp(results)}  {results['gpu']}  "
              f"torch {results['torch']}  triton {results['triton']}  copy {results['copy_tbps_1GiB']} TB/s (1 GiB)"]
-    lines += format_table(["kind", "case", "us", "TB/s", "copy TB/s", "vs copy", "notes"],
-                          [_cells(r) for r in results["rows"]], align="<<>>>><")
+    if results["rows"]:
+        lines += format_table(["kind", "case", "us", "TB/s", "copy TB/s", "vs copy", "notes"],
+                              [_cells(r) for r in results["rows"]], align="<<>>>><")
+    if "model" in results:
+        lines += model.render(results["model"])
     return "\n".join(lines)
+
+
+def plot_model(results: dict, path: str) -> None:
+    """The model suite's plot (``bench_model.png``), titled like ``bench.png``."""
+    model.plot(results["model"], path, f"recoverssm model step on {results['gpu']} "
+                                       f"({results['date']}, {stamp(results)})")
 
 
 def plot(results: dict, path: str) -> None:
