@@ -22,12 +22,9 @@ values past the pool, duplicates, decreasing or out-of-range ``query_start_loc``
 
 Both run for ``cpu_ref`` and for ``cuda`` (interpreter; marked ``interpreter``). Hypothesis is
 derandomized, so CI runs the same examples every time (``RECOVERSSM_SAFETY_EXAMPLES=<factor>``
-searches fresh ones, more of them). Explicit regression cases at the end.
-
-Two library bugs are kept here as strict xfails (they turn into failures once fixed, so the marks
-can go): block-table entries between ``null_slot`` and 0, or equal to ``INT32_MAX``, pass the
-value checks (``BLOCK_ENTRY_BUG``); and the Triton recurrence launcher overwrites the tokens
-outside every row of a misaligned ``out`` (``test_misaligned_out_keeps_tokens_outside_every_row``).
+searches fresh ones, more of them). Explicit regression cases at the end: among them, block-table
+entries between ``null_slot`` and 0 or equal to ``INT32_MAX`` that the plan reads, and a
+misaligned ``out`` whose tokens outside every row must keep their values.
 """
 from __future__ import annotations
 
@@ -666,20 +663,13 @@ def test_plan_kernels_follow_the_rule(name):
     run_property(body, "plan_kernels", name)
 
 
-#: Known library bug, kept failing as strict xfails (here and in the explicit regression cases).
-BLOCK_ENTRY_BUG = ("library bug: check_step_values (core/arguments.py) never range-checks block-table entries; it "
-                   "finds the slots a commit writes with plan_rows(..., num_slots=INT32_MAX), which takes an entry "
-                   "between null_slot and 0, or equal to INT32_MAX, for padding: plan_commit and "
-                   "CommitContext.commit accept the step, and the row (or its boundary state) is silently skipped")
 #: (backend, whether block-table entries may be any int32). The twin with any int32 puts bad
-#: values in the block tables only (every other value legal) and finds the bug above within its
-#: first examples; the checks are backend-independent code, so it runs for cpu_ref (the
-#: explicit regression cases cover both backends).
+#: values in the block tables only (every other value legal); the checks are backend-independent
+#: code, so it runs for cpu_ref (the explicit regression cases cover both backends).
 API_STEP_CASES = [pytest.param("cpu_ref", False, id="cpu_ref-entries-padding-slots-or-past-the-pool"),
                   pytest.param("cuda", False, id="cuda-entries-padding-slots-or-past-the-pool",
                                marks=pytest.mark.interpreter),
-                  pytest.param("cpu_ref", True, id="cpu_ref-entries-any-int32", marks=pytest.mark.xfail(
-                      strict=True, raises=AssertionError, reason=BLOCK_ENTRY_BUG))]
+                  pytest.param("cpu_ref", True, id="cpu_ref-entries-any-int32")]
 
 
 @pytest.mark.parametrize("name,any_entries", API_STEP_CASES)
@@ -1017,9 +1007,7 @@ def test_block_table_entries_that_are_not_slots_are_padding_in_kernels(name, tab
 
 
 @pytest.mark.parametrize("name", BACKENDS)
-@pytest.mark.parametrize("table", [pytest.param(t, marks=pytest.mark.xfail(strict=True, raises=AssertionError,
-                                                                            reason=BLOCK_ENTRY_BUG))
-                                   for t in BAD_BLOCK_ENTRIES.values()], ids=list(BAD_BLOCK_ENTRIES))
+@pytest.mark.parametrize("table", list(BAD_BLOCK_ENTRIES.values()), ids=list(BAD_BLOCK_ENTRIES))
 def test_block_table_entries_that_are_not_slots_are_refused(name, table):
     check_commit_api_refuses(bad_entry_case(table), name, "block_table[1]")
 
@@ -1137,16 +1125,12 @@ def test_slot_between_null_and_zero_in_commit(name):
     everything.assert_unchanged("CommitContext.commit raised, but wrote ")
 
 
-# A misaligned ``out``: the Triton launcher writes the kernel's output into a fresh buffer and
-# copies all of it over ``out``, tokens outside every row included.
+# A misaligned ``out``: the Triton launcher writes the kernel's output through a packed copy of
+# ``out`` and copies it back, so tokens outside every row must keep their values.
 MISALIGNED = {"fp32, out 4 bytes off": (F32, 8, 1), "bf16, V = 12": (BF16, 12, 0)}
 
 
-@pytest.mark.parametrize("name", ["cpu_ref", pytest.param("cuda", marks=[pytest.mark.interpreter, pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="library bug: backends/triton/launch.py::recurrence, when out's rows are not 16-byte aligned, runs the "
-           "kernel into torch.empty(out.shape) and copies the whole buffer back: tokens outside every row get "
-           "uninitialized memory")])])
+@pytest.mark.parametrize("name", ["cpu_ref", pytest.param("cuda", marks=pytest.mark.interpreter)])
 @pytest.mark.parametrize("how", list(MISALIGNED), ids=list(MISALIGNED))
 @pytest.mark.parametrize("api", [False, True], ids=["kernel", "api"])
 def test_misaligned_out_keeps_tokens_outside_every_row(name, how, api):

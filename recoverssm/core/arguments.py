@@ -12,7 +12,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 from .backend import GateInputs
-from .indices import INT32_MAX, is_request
+from .indices import INT32_MAX, is_request, is_slot
 from .plan import plan_rows
 from .validation import FLOAT_DTYPES, STATE_DTYPES, Checker
 
@@ -299,13 +299,8 @@ def check_step_values(c: Checker, num_accepted, state_indices, query_start_loc, 
         for q, n in enumerate(nct):
             if n < 0:
                 c.fail("num_computed_tokens" + suffix, f"entry {q} = {n} is negative")
-        width = block_table.shape[1]
-        for r, src in enumerate(srcs):
-            n = min(accepted[req[r]], qsl[r + 1] - qsl[r])
-            if src > null_slot and n > 0 and (nct[req[r]] + n - 1) // block_size >= width:
-                c.fail("block_table" + suffix, f"has {width} columns; batch row {r} (request {req[r]}, "
-                                               f"{nct[req[r]]} tokens computed, {n} accepted) ends in block "
-                                               f"{(nct[req[r]] + n - 1) // block_size}")
+        _block_entries(c, block_table.tolist(), srcs, accepted, qsl, req, nct, block_size, null_slot, num_slots,
+                       suffix)
     plan = plan_rows(accepted, srcs, qsl, req if request_indices is not None else None,
                      None if block_table is None else block_table.tolist(), nct,
                      block_size or 1, null_slot, INT32_MAX)
@@ -319,6 +314,30 @@ def check_step_values(c: Checker, num_accepted, state_indices, query_start_loc, 
     live_sources = [(r, srcs[r]) for r, p in enumerate(plan) if p[0] > 0]
     c.distinct_writes("block_table" + suffix if block_table is not None else "state_indices" + suffix,
                       writes, live_sources)
+
+
+def _block_entries(c: Checker, table: list, srcs: list, accepted: list, qsl: list, req: list, nct: list,
+                   block_size: int, null_slot: int, num_slots: int, suffix: str) -> None:
+    """The block-table entries a commit reads (each live row's final block, and the block of its
+    first token when the window crosses a block boundary) are padding or slots, and the final
+    block lies within the table. Entries no row reads may hold anything."""
+    width = len(table[0]) if table else 0
+    for r, src in enumerate(srcs):
+        q = req[r]
+        n = min(accepted[q], qsl[r + 1] - qsl[r])
+        if src <= null_slot or n <= 0:
+            continue
+        last = (nct[q] + n - 1) // block_size
+        if last >= width:
+            c.fail("block_table" + suffix, f"has {width} columns; batch row {r} (request {q}, {nct[q]} tokens "
+                                           f"computed, {n} accepted) ends in block {last}")
+        first = nct[q] // block_size
+        read = [last] + ([first] if nct[q] + n >= (first + 1) * block_size and first != last else [])
+        for column in read:
+            entry = table[q][column]
+            if entry > null_slot and not is_slot(entry, null_slot, num_slots):
+                c.fail("block_table" + suffix, f"entry [{q}, {column}] = {entry} is neither a padding value "
+                                               f"(<= null_slot = {null_slot}) nor a slot in [0, {num_slots})")
 
 
 def check_plan(op: str, num_accepted, state_indices, query_start_loc, request_indices, block_table,

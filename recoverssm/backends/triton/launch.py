@@ -94,9 +94,10 @@ def _aligned_token_inputs(q, k, v, out):
     """Return ``(q, k, v, kernel_out, aligned)`` such that every call with the same shapes and
     dtypes compiles to the same kernel: inputs whose rows are not 16-byte aligned are copied into
     packed tensors (small next to the state), and a misaligned ``out`` is written through a packed
-    buffer. ``aligned`` is False only where packing cannot align rows (odd head sizes)."""
+    copy of itself (so that tokens no row covers keep their values when it is copied back).
+    ``aligned`` is False only where packing cannot align rows (odd head sizes)."""
     q, k, v = (t if _rows_aligned(t) else t.contiguous() for t in (q, k, v))
-    kernel_out = out if _rows_aligned(out) else torch.empty(out.shape, dtype=out.dtype, device=out.device)
+    kernel_out = out if _rows_aligned(out) else out.clone(memory_format=torch.contiguous_format)
     aligned = all(_rows_aligned(t) for t in (q, k, v, kernel_out))
     return q, k, v, kernel_out, aligned
 
