@@ -1,4 +1,5 @@
-"""The benchmark cases (issue: benchmarks and speed targets on the H200)."""
+"""The benchmark cases of ``recoverssm bench``: commit, verify (GDN), KDA, CUDA graphs, host time,
+memory, and the model-level step (``model.py``)."""
 from __future__ import annotations
 
 import datetime
@@ -12,8 +13,9 @@ from recoverssm.build_info import package_version, source_commit
 from recoverssm.console import ProgressBar
 from recoverssm.console import format_table
 
-from . import model
+from . import kda, model
 from .problems import align_step, commit_context, per_group_indices, window
+from .rows import row
 from .timing import CopyCeiling, copies_for, host_times, kernel_launches, median_us
 
 H, K, V = 16, 128, 128
@@ -21,13 +23,6 @@ H, K, V = 16, 128, 128
 
 def _state_bytes(N: int, HV: int, dtype=torch.float32) -> int:
     return N * HV * V * K * torch.tensor([], dtype=dtype).element_size()
-
-
-def _row(kind: str, case: str, us: float, traffic: int, ceiling: CopyCeiling, **extra) -> dict:
-    copy_us = ceiling.us(traffic)
-    return dict(kind=kind, case=case, us=round(us, 2), traffic_bytes=traffic,
-                tbps=round(traffic / us / 1e6, 3), copy_us=round(copy_us, 2),
-                copy_tbps=round(traffic / copy_us / 1e6, 3), vs_copy=round(copy_us / us, 3), **extra)
 
 
 def bench_commit(ceiling: CopyCeiling, quick: bool, progress: ProgressBar) -> list[dict]:
@@ -51,7 +46,7 @@ def bench_commit(ceiling: CopyCeiling, quick: bool, progress: ProgressBar) -> li
         traffic = layers * (state * (2 * R + step.boundaries)
                             + accepted * (HV * V + H * K + HV) * 4)
         launches, names = kernel_launches(call)
-        rows.append(_row("commit", name, us, traffic, ceiling, layers=layers, requests=R,
+        rows.append(row("commit", name, us, traffic, ceiling, layers=layers, requests=R,
                          boundary_rows=step.boundaries, launches=launches))
         progress.update(1, name[:40])
         del ctx, caches
@@ -90,7 +85,7 @@ def bench_verify(ceiling: CopyCeiling, quick: bool, fla: bool, progress: Progres
                 wins = [window(N, T, H, HV, K, V, extra_slots=N * T, seed=i) for i in range(copies)]
                 case = f"N={N} T={T} HV={HV}"
                 t_verify = median_us([w.verify for w in wins])
-                rows.append(_row("verify", case, t_verify, state, ceiling, N=N, T=T, HV=HV,
+                rows.append(row("verify", case, t_verify, state, ceiling, N=N, T=T, HV=HV,
                                  note="traffic = state bytes read"))
                 snap = [torch.arange(N * T, dtype=torch.int32, device="cuda").view(N, T) + N for _ in wins]
                 snap_calls = [lambda w=w, s=s: rs.gdn_spec_decode_snapshot(
@@ -98,7 +93,7 @@ def bench_verify(ceiling: CopyCeiling, quick: bool, fla: bool, progress: Progres
                     query_start_loc=w.query_start_loc, snapshot_slots=s, backend="cuda", **w.gates())
                     for w, s in zip(wins, snap)]
                 t_snap = median_us(snap_calls)
-                rows.append(_row("snapshot", case, t_snap, state * (1 + T), ceiling, N=N, T=T, HV=HV))
+                rows.append(row("snapshot", case, t_snap, state * (1 + T), ceiling, N=N, T=T, HV=HV))
                 accepted = torch.tensor([1 + (r * 7) % T for r in range(N)], dtype=torch.int32, device="cuda")
                 ctxs = [rs.CommitContext([[rs.LayerCache(w.state, w.records)]], max_batch=N, backend="cuda")
                         for w in wins]
@@ -114,7 +109,7 @@ def bench_verify(ceiling: CopyCeiling, quick: bool, fla: bool, progress: Progres
                 if fla_fn is not None:
                     try:
                         t_fla = median_us([_fla_call(w, fla_fn) for w in wins])
-                        rows.append(_row("fla", case, t_fla, state, ceiling, N=N, T=T, HV=HV,
+                        rows.append(row("fla", case, t_fla, state, ceiling, N=N, T=T, HV=HV,
                                          verify_speedup=round(t_fla / t_verify, 3)))
                     except Exception as exc:  # noqa: BLE001 - report, keep benchmarking
                         rows.append(dict(kind="fla", case=case, error=f"{type(exc).__name__}: {exc}"[:300]))
@@ -177,8 +172,23 @@ def bench_host(progress: ProgressBar) -> list[dict]:
     commit = functools.partial(ctx.commit, step.num_accepted, query_start_loc=step.query_start_loc,
                                **per_group_indices(step, 3))
     w = window(R, T, H, 48, K, V)
+    decode = functools.partial(rs.gdn_decode, w.q, w.k, w.v, state=w.state, state_indices=w.state_indices,
+                               query_start_loc=w.query_start_loc, out=torch.empty_like(w.v), **w.gates())
+    conv_dim = 2 * H * K + 48 * V
+    x = torch.randn(R * T, conv_dim, device="cuda", dtype=torch.bfloat16)
+    conv_state = torch.randn(step.num_slots, conv_dim, 3 + T, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(conv_dim, 4, device="cuda", dtype=torch.bfloat16)
+    conv = functools.partial(rs.conv_verify, x, conv_state, weight, None, state_indices=step.state_indices,
+                             query_start_loc=step.query_start_loc, out=torch.empty_like(x))
+    conv_dec = functools.partial(rs.conv_decode, x[:R], conv_state, weight, None, state_indices=step.state_indices,
+                                 out=torch.empty_like(x[:R]))
+    verify = functools.partial(rs.gdn_verify, w.q, w.k, w.v, state=w.state, state_indices=w.state_indices,
+                               query_start_loc=w.query_start_loc, records=w.records, out=torch.empty_like(w.v),
+                               **w.gates())
     rows = []
-    for case, call in (("CommitContext.commit, 3 groups x 6 layers", commit), ("gdn_verify, 1 layer", w.verify)):
+    for case, call in (("CommitContext.commit, 3 groups x 6 layers", commit), ("gdn_verify, 1 layer", verify),
+                       ("gdn_decode, 1 layer", decode), ("conv_verify, 1 layer", conv),
+                       ("conv_decode, 1 layer", conv_dec)):
         times = host_times(call)
         rows.append(dict(kind="host", case=case, us=round(times["wall_us"], 2), cpu_us=round(times["cpu_us"], 2),
                          launches=kernel_launches(call)[0]))
@@ -209,7 +219,8 @@ def run_all(quick: bool = False, fla: bool = True, only: list[str] = ()) -> dict
     want = lambda s: not only or s in only  # noqa: E731
     n_verify = (2 if quick else 2 * 3 * 4) if want("verify") else 0
     n_model = len(model.grid(quick)) if want("model") else 0
-    cases = (1 if quick else 4) * want("commit") + n_verify + 2 * want("graph") + want("host") + n_model
+    n_kda = len(kda.grid(quick)) if want("kda") else 0
+    cases = (1 if quick else 4) * want("commit") + n_verify + n_kda + 2 * want("graph") + want("host") + n_model
     progress = ProgressBar(cases, "bench")
     props = torch.cuda.get_device_properties(0)
     result = dict(date=datetime.date.today().isoformat(), version=package_version(), commit=source_commit(),
@@ -220,6 +231,8 @@ def run_all(quick: bool = False, fla: bool = True, only: list[str] = ()) -> dict
             result["rows"] += bench_commit(ceiling, quick, progress)
         if want("verify"):
             result["rows"] += bench_verify(ceiling, quick, fla, progress)
+        if want("kda"):
+            result["rows"] += kda.bench_kda(ceiling, quick, fla, progress)
         if want("graph"):
             result["rows"] += bench_graph(ceiling, progress)
         if want("host"):

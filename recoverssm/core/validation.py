@@ -130,23 +130,32 @@ class Checker:
         """Refuse a written tensor that overlaps itself (a zero or interleaving stride: two of its
         elements at one address) or shares bytes with any other argument, read or written.
 
-        Overlap is judged on byte ranges (first to last byte of each tensor), which also catches
-        two tensors made over one buffer by other means than views; two interleaved views that
-        never touch the same byte are refused as well, which no op here needs to allow."""
+        Tensors of one storage (views of one buffer) are compared by byte ranges (first to last
+        byte), so two interleaved views that never touch the same byte are refused as well, which
+        no op here needs to allow; tensors of different storages cannot share bytes unless made
+        over the same memory outside torch (``from_blob``, DLPack), which is not detected."""
         if self.static or self.device.type == "meta":
             return
-        written = [(n, t) for n, t in written if t is not None and t.numel()]
-        others = [(n, t) for n, t in read if t is not None and t.numel()]
-        spans = []
-        for name, t in written:
-            if _overlaps_itself(t):
-                self.fail(name, f"overlaps itself in memory (strides {t.stride()}): every element "
-                                "it is written through must have its own address")
-            spans.append((name, _byte_span(t)))
-        for name, t in others:
-            spans.append((name, _byte_span(t)))
-        for i, (name, (lo, hi)) in enumerate(spans[:len(written)]):
-            for other, (lo2, hi2) in spans[i + 1:]:
+        by_storage: dict[int, list] = {}
+        for is_written, pairs in ((True, written), (False, read)):
+            for name, t in pairs:
+                if t is None or not t.numel():
+                    continue
+                if is_written and not t.is_contiguous() and _overlaps_itself(t):
+                    self.fail(name, f"overlaps itself in memory (strides {t.stride()}): every element "
+                                    "it is written through must have its own address")
+                by_storage.setdefault(t.untyped_storage().data_ptr(), []).append((is_written, name, t))
+        for members in by_storage.values():
+            if len(members) > 1 and any(m[0] for m in members):
+                self._disjoint(members)
+
+    def _disjoint(self, members: list) -> None:
+        """``members``: ``(written, name, tensor)`` of one storage, written ones first."""
+        spans = [(written, name, _byte_span(t)) for written, name, t in members]
+        for i, (written, name, (lo, hi)) in enumerate(spans):
+            if not written:
+                break
+            for _, other, (lo2, hi2) in spans[i + 1:]:
                 if lo < hi2 and lo2 < hi:
                     self.fail(name, f"overlaps {other} in memory")
 
@@ -195,10 +204,9 @@ def _shape_matches(actual: torch.Size, expected: Sequence[Optional[int]]) -> boo
     """``expected`` has one entry per dim; ``None`` matches any size."""
     if len(actual) != len(expected):
         return False
-    for want, got in zip(expected, actual):
-        if want is not None and want != got:
-            return False
-    return True
+    if None not in expected:
+        return tuple(actual) == tuple(expected)
+    return all(want is None or want == got for want, got in zip(expected, actual))
 
 
 def _overlaps_itself(x: torch.Tensor) -> bool:
