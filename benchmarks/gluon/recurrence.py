@@ -204,9 +204,13 @@ def fetch_token(tok, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, stride_q_t, stride_k_t, 
     tok = tok.to(gl.int64)
     k_ptrs = k_ptr + tok * stride_k_t + k_head + k_cols
     q_ptrs = q_ptr + tok * stride_q_t + q_head + k_cols
-    if ALIGNED:   # the launcher guarantees 16-byte aligned rows; each lane reads 4 contiguous values
-        k_ptrs = gl.max_contiguous(gl.multiple_of(k_ptrs, [4, 1, 4]), [1, 1, 4])
-        q_ptrs = gl.max_contiguous(gl.multiple_of(q_ptrs, [4, 1, 4]), [1, 1, 4])
+    if ALIGNED:
+        # The launcher guarantees 16-byte aligned rows, and each lane's 4 contiguous values start
+        # at a multiple of 4 elements: their address is a multiple of 4 * element bytes (pointer
+        # divisibility is counted in bytes), so they load as one vector.
+        GROUP_BYTES: gl.constexpr = 4 * (k_ptr.dtype.element_ty.primitive_bitwidth // 8)
+        k_ptrs = gl.max_contiguous(gl.multiple_of(k_ptrs, [GROUP_BYTES, GROUP_BYTES, GROUP_BYTES]), [1, 1, 4])
+        q_ptrs = gl.max_contiguous(gl.multiple_of(q_ptrs, [GROUP_BYTES, GROUP_BYTES, GROUP_BYTES]), [1, 1, 4])
     if EXACT_K:
         k_t = gl.load(k_ptrs, eviction_policy=QK_EVICTION)
         q_t = gl.load(q_ptrs, eviction_policy=QK_EVICTION)
