@@ -46,6 +46,10 @@ MODE_VERIFY = gl.constexpr(0)
 MODE_DECODE = gl.constexpr(1)
 MODE_SNAPSHOT = gl.constexpr(2)
 
+# Triton 3.6 (the H200 machine) names the cp.async copy async_copy_global_to_shared; later Gluon
+# renamed it async_load (same leading arguments: smem, pointers, mask, eviction_policy).
+async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+
 L2NORM_EPS = gl.constexpr(1e-6)
 SOFTPLUS_THRESHOLD = gl.constexpr(20.0)
 WARP_SIZE = gl.constexpr(32)
@@ -378,10 +382,10 @@ def stage_state_tile(smem, tile_id, num_tiles, state_ptr, state_indices_ptr, til
         if slot_is_live(slot, null_slot, num_slots):
             base = state_ptr + slot.to(gl.int64) * stride_s_slot + hv * stride_s_h + (i_v * BV) * STRIDE_S_V
             if EXACT:
-                async_copy.async_copy_global_to_shared(smem, base + tile, eviction_policy=STATE_EVICTION)
+                async_load(smem, base + tile, eviction_policy=STATE_EVICTION)
             else:
                 mask = ((i_v * BV + rows5) < V) & (k_cols5 < K)
-                async_copy.async_copy_global_to_shared(smem, base + tile, mask=mask, eviction_policy=STATE_EVICTION)
+                async_load(smem, base + tile, mask=mask, eviction_policy=STATE_EVICTION)
     async_copy.commit_group()
 
 
