@@ -1,48 +1,50 @@
-"""Host time of one commit call (3 groups x 6 layers, per-group index tensors, the same tensors
-every call) for two source trees, alternating processes, on a GPU.
+"""Host time of the whole ``gdn_verify`` and ``CommitContext.commit`` calls for two source trees,
+one process per tree, alternating.
 
     git worktree add /tmp/old <commit>        # or: git archive <commit> recoverssm | tar -x -C /tmp/old
-    python benchmarks/host_ab.py /tmp/old . [rounds]
+    python benchmarks/host_ab.py /tmp/old . [--passes 5] [--device cuda|cpu]
 
-The lent machines' CPU speed differs between processes by up to 1.5x for the same code
-(docs/BENCHMARKS.md, "Host time"), so a change is judged by alternating the two trees, one
-process each, several rounds, in one device call. Prints per process three medians of 200 calls
-(wall / thread CPU time, us), and the same for ``torch.empty(8)`` on the GPU as a measure of that
-process's CPU speed.
+The CPU speed a process gets differs between processes by up to 1.5x for the same code on the
+lent GPU machines (docs/BENCHMARKS.md, "Host time"), so a change is judged by alternating the
+two trees, one process each, several passes, in one call. Each process runs
+``benchmarks/host_breakdown.py --whole`` of this tree with the other tree's ``recoverssm`` first
+on ``sys.path``: per call the median wall and thread CPU time (us), and the same for
+``torch.empty(8)`` as a measure of that process's CPU speed. ``--device cpu`` times the
+library's host code alone, on CPU tensors with a backend that does nothing (both trees need
+``recoverssm.core.registry.registry().register`` and the public API that host_breakdown.py calls).
 """
+import argparse
 import os
 import subprocess
 import sys
 
-CASE = r"""
-import torch
-from recoverssm.bench.problems import align_step, commit_context
-from recoverssm.bench.timing import host_times
-step = align_step(8, 4)
-ctx, _ = commit_context(3, 6, 8, 4, 16, 48, 128, 128, step.num_slots)
-kw = dict(state_indices=[step.state_indices.clone() for _ in range(3)],
-          block_table=[step.block_table.clone() for _ in range(3)],
-          num_computed_tokens=[step.num_computed_tokens.clone() for _ in range(3)],
-          block_size=step.block_size)
-call = lambda: ctx.commit(step.num_accepted, query_start_loc=step.query_start_loc, **kw)
-medians = " ".join(f"{r['wall_us']:.1f}/{r['cpu_us']:.1f}" for r in (host_times(call) for _ in range(3)))
-reference = host_times(lambda: torch.empty(8, device="cuda"))
-print(f"{medians}   torch.empty(8): {reference['wall_us']:.1f}/{reference['cpu_us']:.1f}")
-"""
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def main() -> None:
-    if len(sys.argv) < 3:
-        raise SystemExit(__doc__)
-    trees = [os.path.abspath(t) for t in sys.argv[1:3]]
-    rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 5
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    for _ in range(rounds):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("trees", nargs=2, metavar="TREE", help="two source trees (each holds recoverssm/)")
+    ap.add_argument("--passes", type=int, default=5, help="processes per tree, alternating")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--iters", type=int, default=200, help="timed calls per measurement")
+    args = ap.parse_args()
+    trees = [os.path.abspath(t) for t in args.trees]
+    for tree in trees:
+        if not os.path.isdir(os.path.join(tree, "recoverssm")):
+            raise SystemExit(f"{tree} holds no recoverssm/ package")
+    for _ in range(args.passes):
         for tree in trees:
-            # Run from inside the tree: sys.path[0] is then the tree, whatever is installed.
-            out = subprocess.run([sys.executable, "-c", CASE], cwd=tree, env=env, check=True,
-                                 capture_output=True, text=True).stdout.strip()
-            print(f"{tree}: {out}", flush=True)
+            env = {**os.environ, "PYTHONPATH": tree}
+            env.pop("TRITON_INTERPRET", None)
+            result = subprocess.run([sys.executable, os.path.join(HERE, "host_breakdown.py"), "--whole",
+                                     "--device", args.device, "--iters", str(args.iters)],
+                                    cwd=tree, env=env, capture_output=True, text=True)
+            if result.returncode:
+                raise SystemExit(f"{tree}: exit {result.returncode}\n{result.stdout}{result.stderr}")
+            print(f"{tree}:", flush=True)
+            for line in result.stdout.splitlines():
+                print(f"    {line}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,106 +1,338 @@
-"""Where the host time of one commit call and one verify call goes, piece by piece (on a GPU).
+"""Where the host time of one ``gdn_verify`` call and one ``CommitContext.commit`` call goes.
 
-    python benchmarks/host_breakdown.py
+    python benchmarks/host_breakdown.py                 # GPU tensors, the cuda backend
+    python benchmarks/host_breakdown.py --device cpu    # CPU tensors, a backend that does nothing
+    python benchmarks/host_breakdown.py --cprofile      # and cProfile of the whole calls
+    python benchmarks/host_breakdown.py --whole         # the whole calls only (what host_ab.py compares)
 
-Each line is the median host time (us) of calling only that piece, as wall time and as the
-thread's CPU time; the pieces of one call add up to roughly the whole. Complements
-benchmarks/host_profile.py (cProfile inflates Python-heavy code).
+Each row is the median host time of calling only that piece, as wall time and as the calling
+thread's CPU time (``time.thread_time``: what the call itself costs on a shared machine); device
+work queues behind and is not counted. Every piece is a public function, called as the layer
+above it calls it, so the pieces nest and their differences (printed below the rows) are the cost
+of each layer:
+
+* verify: ``rs.gdn_verify`` (the Python API) > ``torch.ops.recoverssm.gdn_verify`` (the
+  dispatcher) > the op's body (``core.ops.IMPLEMENTATIONS``) > the argument checks
+  (``core.arguments.check_recurrence``), the backend's resolution (``core.ops.backend_for``) and
+  the backend's ``recurrence`` (on a Triton backend: ``launch.recurrence``, the launcher).
+* commit, the checked path (a step whose tensors are not those of the last call; here two sets
+  of index tensors alternate): ``CommitContext.commit`` > ``torch.ops.recoverssm.commit`` >
+  the op's body (``core.commit.run_commit_op``) > the step's checks
+  (``core.arguments.check_step_shapes``, ``check_step_values``) and ``ctx.committer.commit``.
+* commit, the repeat path (the very tensors of the last call): ``CommitContext.commit`` >
+  ``ctx.committer.commit_again``.
+
+The case is the benchmark's: verify of 8 rows x 4 tokens, H=16, HV=48; a commit of 3 KV-cache
+groups x 6 layers, 8 requests in align mode, each group with its own index tensors. On the CPU
+the backend is registered here (``registry().register``) and does nothing, so the rows are the
+library's own host code, K=V=16 (the head sizes change no host work); checks of index values
+always run on CPU tensors (on a GPU only with ``check=True``).
 """
+import argparse
+import cProfile
+import functools
+import io
+import os
+import pstats
+import statistics
+import sys
+import time
+
 import torch
 
-from recoverssm.backends.triton import launch
-from recoverssm.bench.problems import align_step, commit_context, per_group_indices, window
-from recoverssm.bench.timing import host_times
-from recoverssm.core import api
-from recoverssm.core.backend import GroupStep
-from recoverssm.core.commit import _check_step_shapes, _StepSignature
-from recoverssm.core.validation import Checker
-
-H, K, V = 16, 128, 128
+H, HV, R, T, GROUPS, LAYERS = 16, 48, 8, 4, 3, 6
+NULL_BACKEND = "null"
+NULL_PLUGIN = "benchmarks.host_breakdown.null_backend"
 
 
-def _enter_exit(ctx_manager):
-    with ctx_manager:
-        pass
+def register_null_backend() -> None:
+    """Register backend ``"null"`` (CPU tensors): every kernel-facing function returns at once, and
+    its committer commits nothing. Built from the abstract methods of the tree's ``Backend`` and
+    ``Committer``, so that host_ab.py can run it against another source tree."""
+    from recoverssm.core.backend import Backend, Committer
+    from recoverssm.core.hookspecs import hookimpl
+    from recoverssm.core.registry import registry
+
+    def nothing(*args, **kwargs):
+        return None
+
+    committer = type("NullCommitter", (Committer,), {m: nothing for m in Committer.__abstractmethods__})
+    methods = {m: nothing for m in Backend.__abstractmethods__}
+    methods.update(name=NULL_BACKEND, device_types=("cpu",),
+                   capabilities=getattr(Backend, "CAPABILITIES", frozenset()),
+                   make_committer=lambda self, *args, **kwargs: committer())
+    backend = type("NullBackend", (Backend,), methods)()
+
+    class Plugin:
+        @hookimpl
+        def recoverssm_backends(self):
+            return [backend]
+
+    registry().register(Plugin(), name=NULL_PLUGIN)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def host_us(call, device: str, iters: int) -> tuple[float, float]:
+    """Median ``(wall, thread CPU)`` time of one call in us, after 10 warm-up calls."""
+    for _ in range(10):
+        call()
+    sync(device)
+    wall, cpu = [], []
+    for _ in range(iters):
+        c0 = time.thread_time_ns()
+        t0 = time.perf_counter_ns()
+        call()
+        t1 = time.perf_counter_ns()
+        c1 = time.thread_time_ns()
+        wall.append((t1 - t0) / 1e3)
+        cpu.append((c1 - c0) / 1e3)
+    sync(device)
+    return statistics.median(wall), statistics.median(cpu)
+
+
+def alternating(first, second):
+    """A call that runs ``first`` and ``second`` in turn."""
+    turn = [False]
+
+    def call():
+        turn[0] = not turn[0]
+        (first if turn[0] else second)()
+    return call
+
+
+def build(device: str, backend: str):
+    """The verify window and the commit context with two sets of per-group index tensors."""
+    import recoverssm as rs
+    from recoverssm.bench.problems import align_step, per_group_indices, window
+
+    K = V = 128 if device == "cuda" else 16
+    w = window(R, T, H, HV, K, V, device=device)
+    step = align_step(R, T, device=device)
+    groups = [[rs.LayerCache(torch.zeros(step.num_slots, HV, V, K, device=device),
+                             rs.ReplayRecords.allocate(R, T, H, HV, K, V, device=device)) for _ in range(LAYERS)]
+              for _ in range(GROUPS)]
+    ctx = rs.CommitContext(groups, max_batch=R, backend=backend)
+    index_sets = [per_group_indices(step, GROUPS) for _ in range(2)]
+    return w, step, ctx, index_sets
+
+
+def whole_calls(w, step, ctx, index_sets, backend: str, out) -> dict:
+    import recoverssm as rs
+
+    verify = functools.partial(rs.gdn_verify, w.q, w.k, w.v, state=w.state, state_indices=w.state_indices,
+                               query_start_loc=w.query_start_loc, records=w.records, out=out, backend=backend,
+                               **w.gates())
+    commits = [functools.partial(ctx.commit, step.num_accepted, query_start_loc=step.query_start_loc, **kw)
+               for kw in index_sets]
+    return {"gdn_verify": verify,
+            "CommitContext.commit, the last call's tensors (repeat path on a GPU)": commits[0],
+            "CommitContext.commit, other tensors each call (checked path)": alternating(*commits)}
+
+
+def verify_pieces(w, backend: str, out) -> list:
+    import recoverssm as rs
+    from recoverssm.core.arguments import check_recurrence
+    from recoverssm.core.ops import IMPLEMENTATIONS, backend_for
+
+    rec = w.records
+    records = (rec.correction, rec.key, rec.decay)
+    api = functools.partial(rs.gdn_verify, w.q, w.k, w.v, state=w.state, state_indices=w.state_indices,
+                            query_start_loc=w.query_start_loc, records=rec, out=out, backend=backend, **w.gates())
+    op = functools.partial(torch.ops.recoverssm.gdn_verify, w.q, w.k, w.v, w.state, w.state_indices,
+                           w.query_start_loc, *records, w.a, w.b, w.A_log, w.dt_bias, None, None, None, True, -1,
+                           out, backend, None)
+    body = functools.partial(IMPLEMENTATIONS["gdn_verify"], q=w.q, k=w.k, v=w.v, state=w.state,
+                             state_indices=w.state_indices, query_start_loc=w.query_start_loc, a=w.a, b=w.b,
+                             A_log=w.A_log, dt_bias=w.dt_bias, g=None, beta=None, scale=None, use_qk_l2norm=True,
+                             null_slot=-1, out=out, backend=backend, check=None, correction=rec.correction,
+                             key=rec.key, decay=rec.decay)
+    checks = functools.partial(check_recurrence, "gdn_verify", "gdn", "verify", w.q, w.k, w.v, w.state,
+                               w.state_indices, w.query_start_loc, w.a, w.b, w.A_log, w.dt_bias, None, None, None,
+                               True, -1, out, records, None, None, None)
+    args = checks()
+    be = backend_for("gdn_verify", backend, w.state.device)
+    run = functools.partial(be.recurrence, "verify", w.q, w.k, w.v, w.state, w.state_indices, w.query_start_loc,
+                            args.gates, args.scale, True, -1, out, records, None)
+    rows = [("verify", "gdn_verify (API)", api),
+            ("verify", "torch.ops.recoverssm.gdn_verify (dispatcher)", op),
+            ("verify", "op body: IMPLEMENTATIONS['gdn_verify']", body),
+            ("verify", "  check_recurrence (argument checks)", checks),
+            ("verify", "  backend_for (backend resolution)", functools.partial(backend_for, "gdn_verify", backend,
+                                                                              w.state.device)),
+            ("verify", f"  {be.name}.recurrence (backend)", run)]
+    table = getattr(be, "table", None)
+    if table is not None:     # a Triton backend: its launcher, without the device guard
+        from recoverssm.backends.triton import launch
+        rows.append(("verify", "    launch.recurrence (launcher)", functools.partial(
+            launch.recurrence, table, "verify", w.q, w.k, w.v, w.state, w.state_indices, w.query_start_loc,
+            args.gates, args.scale, True, -1, out, records, None)))
+    return rows
+
+
+def commit_pieces(step, ctx, index_sets, backend: str) -> list:
+    from recoverssm.core.arguments import check_step_shapes, check_step_values
+    from recoverssm.core.backend import GroupStep
+    from recoverssm.core.commit import run_commit_op
+    from recoverssm.core.validation import Checker
+
+    layers = ctx.layers
+    layer_args = dict(states=[x.state for x in layers],
+                      conv_states=[x.conv_state for x in layers if x.conv_state is not None],
+                      corrections=[x.correction for x in layers], keys=[x.key for x in layers],
+                      decays=[x.decay for x in layers], groups=[x.group for x in layers],
+                      conv_widths=[x.conv_width for x in layers])
+    G = ctx.num_groups
+    window = ctx.max_window
+    num_slots = layers[0].state.shape[0]
+
+    def op_kwargs(kw):
+        return dict(**layer_args, num_accepted=step.num_accepted, query_start_loc=step.query_start_loc,
+                    state_indices=kw["state_indices"], request_indices=[None] * G, block_tables=kw["block_table"],
+                    num_computed_tokens=kw["num_computed_tokens"], block_sizes=[kw["block_size"]] * G,
+                    null_slot=ctx.null_slot, max_batch=ctx.max_batch, context=ctx.id, backend=backend, check=None)
+
+    names = list(op_kwargs(index_sets[0]))
+
+    def op(kw):
+        args = op_kwargs(kw)
+        return functools.partial(torch.ops.recoverssm.commit, *[args[n] for n in names])
+
+    def shape_checks(kw):
+        def call():
+            c, checked = Checker("CommitContext.commit", ctx.device), set()
+            for g in range(G):
+                check_step_shapes(c, step.num_accepted, kw["state_indices"][g], step.query_start_loc, None,
+                                  kw["block_table"][g], kw["num_computed_tokens"][g], kw["block_size"],
+                                  suffix=f"[{g}]", checked=checked)
+        return call
+
+    def value_checks(kw):
+        def call():
+            c = Checker("CommitContext.commit", ctx.device)
+            for g in range(G):
+                check_step_values(c, step.num_accepted, kw["state_indices"][g], step.query_start_loc, None,
+                                  kw["block_table"][g], kw["num_computed_tokens"][g], kw["block_size"],
+                                  ctx.null_slot, num_slots, window, f"[{g}]")
+        return call
+
+    steps = [[GroupStep(kw["state_indices"][g], None, kw["block_table"][g], kw["num_computed_tokens"][g],
+                        kw["block_size"]) for g in range(G)] for kw in index_sets]
+    committer = ctx.committer
+    a, b = index_sets
+    api = [functools.partial(ctx.commit, step.num_accepted, query_start_loc=step.query_start_loc, **kw)
+           for kw in index_sets]
+    checked = [
+        ("commit, checked path", "CommitContext.commit (API)", alternating(*api)),
+        ("commit, checked path", "torch.ops.recoverssm.commit (dispatcher)", alternating(op(a), op(b))),
+        ("commit, checked path", "op body: run_commit_op", alternating(
+            functools.partial(run_commit_op, **op_kwargs(a)), functools.partial(run_commit_op, **op_kwargs(b)))),
+        ("commit, checked path", f"  check_step_shapes x {G} groups", alternating(shape_checks(a), shape_checks(b))),
+        ("commit, checked path", f"  check_step_values x {G} groups (CPU, or check=True)",
+         alternating(value_checks(a), value_checks(b))),
+        ("commit, checked path", "  ctx.committer.commit (committer)", alternating(
+            functools.partial(committer.commit, step.num_accepted, step.query_start_loc, steps[0]),
+            functools.partial(committer.commit, step.num_accepted, step.query_start_loc, steps[1]))),
+    ]
+    if ctx.device.type == "cpu":    # index values are checked on every call: no repeat path
+        return checked
+    return checked + [
+        ("commit, repeat path", "CommitContext.commit (API)", api[0]),
+        ("commit, repeat path", "  ctx.committer.commit_again (committer)",
+         functools.partial(committer.commit_again, step.num_accepted, step.query_start_loc, steps[0])),
+    ]
+
+
+DIFFERENCES = [
+    ("verify", "Python API", "gdn_verify (API)", ["torch.ops.recoverssm.gdn_verify (dispatcher)"]),
+    ("verify", "dispatcher", "torch.ops.recoverssm.gdn_verify (dispatcher)",
+     ["op body: IMPLEMENTATIONS['gdn_verify']"]),
+    ("verify", "rest of the op body", "op body: IMPLEMENTATIONS['gdn_verify']",
+     ["  check_recurrence (argument checks)", "  backend_for (backend resolution)", "*.recurrence (backend)"]),
+    ("commit, checked path", "Python API", "CommitContext.commit (API)", ["torch.ops.recoverssm.commit (dispatcher)"]),
+    ("commit, checked path", "dispatcher", "torch.ops.recoverssm.commit (dispatcher)", ["op body: run_commit_op"]),
+    ("commit, checked path", "rest of the op body (layer lookup, overlap checks)", "op body: run_commit_op",
+     ["  check_step_shapes*", "  check_step_values*", "  ctx.committer.commit (committer)"]),
+    ("commit, repeat path", "Python API (the step's signature compared with the last)", "CommitContext.commit (API)",
+     ["  ctx.committer.commit_again (committer)"]),
+]
+
+
+def _find(times: dict, group: str, pattern: str):
+    for (g, name), value in times.items():
+        if g == group and (name == pattern or (pattern.startswith("*") and name.endswith(pattern[1:]))
+                           or (pattern.endswith("*") and name.startswith(pattern[:-1]))):
+            return value
+    return None
+
+
+def profile(name: str, call, device: str, n: int = 300) -> None:
+    for _ in range(20):
+        call()
+    sync(device)
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(n):
+        call()
+    pr.disable()
+    sync(device)
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(18)
+    print(f"==== cProfile, {n} calls: {name}")
+    print(s.getvalue())
 
 
 def main():
-    T, R = 4, 8
-    step = align_step(R, T)
-    ctx, _ = commit_context(3, 6, R, T, H, 48, K, V, step.num_slots)
-    kw = per_group_indices(step, 3)
-    groups = [GroupStep(kw["state_indices"][gi], None, kw["block_table"][gi], kw["num_computed_tokens"][gi],
-                        step.block_size) for gi in range(3)]
-    c = Checker("commit", ctx.device)
-    committer = ctx._committer
-
-    def checks():
-        for gi, g in enumerate(groups):
-            _check_step_shapes(c, step.num_accepted, g.state_indices, step.query_start_loc, None,
-                               g.block_table, g.num_computed_tokens, step.block_size, f"[{gi}]")
-
-    def whole_call():
-        ctx.commit(step.num_accepted, query_start_loc=step.query_start_loc, **kw)
-
-    whole_call()
-    whole_call()        # the second call with the same tensors binds the repeated launch
-    same = (step.num_accepted, kw["state_indices"], step.query_start_loc, None, kw["block_table"],
-            kw["num_computed_tokens"], step.block_size)
-    last = _StepSignature(same)
-    launch_args = committer._launch_args(step.num_accepted, step.query_start_loc, groups, R)
-    bound = launch._GROUPED_COMMIT.bind(*launch_args)
-    if bound is None:
-        raise SystemExit("host_breakdown.py needs the direct launch path (a CUDA GPU, no TRITON_INTERPRET)")
-    rows = [("commit: whole call", whole_call),
-            ("commit: signature of the step (matching the last)", lambda: last.matches(same)),
-            ("commit: committer.commit_again", lambda: committer.commit_again(
-                step.num_accepted, step.query_start_loc, ctx._last_steps)),
-            ("commit: shape checks (3 groups; first call only)", checks),
-            ("commit: committer.commit (unbound launch)", lambda: committer.commit(step.num_accepted, step.query_start_loc, groups)),
-            ("commit: group table lookup", lambda: committer._group_table_for(groups)),
-            ("commit: device guard", lambda: _enter_exit(committer.device_guard(committer.device))),
-            ("commit: kernel launch only", lambda: launch._GROUPED_COMMIT(*launch_args)),
-            ("commit: bound launch only", bound)]
-    w = window(R, T, H, 48, K, V)
-    be = api._resolve("cuda", w.q.device)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                    help="cuda: GPU tensors, the cuda backend; cpu: CPU tensors, a backend that does nothing")
+    ap.add_argument("--iters", type=int, default=200, help="timed calls per row")
+    ap.add_argument("--whole", action="store_true", help="the whole calls and the reference only")
+    ap.add_argument("--cprofile", action="store_true", help="also cProfile each whole call")
+    args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda needs a CUDA GPU (--device cpu runs the library's host code alone)")
+    backend = "cuda" if args.device == "cuda" else NULL_BACKEND
+    if args.device == "cpu":
+        register_null_backend()
+    w, step, ctx, index_sets = build(args.device, backend)
     out = torch.empty_like(w.v)
-    g = dict(a=w.a, b=w.b, A_log=w.A_log, dt_bias=w.dt_bias)
-    cfg = be.config(K, V)
-    gates = api.GateInputs(**g)
-    rec = (w.records.correction, w.records.key, w.records.decay)
-
-    def verify_checks():
-        cc, dims, *_ = api._check_gdn("gdn_verify", w.q, w.k, w.v, w.state, w.state_indices,
-                                      w.query_start_loc, w.a, w.b, w.A_log, w.dt_bias, None, None,
-                                      None, -1, None)
-        api._check_records(cc, w.records, dims)
-
-    rows += [("verify: whole call", w.verify),
-             ("verify: checks", verify_checks),
-             ("verify: backend resolve", lambda: api._resolve("cuda", w.q.device)),
-             ("verify: launcher (pack + launch)", lambda: launch.gdn_recurrent(
-                 cfg, "verify", w.q, w.k, w.v, w.state, w.state_indices, w.query_start_loc, gates,
-                 K ** -0.5, True, -1, out, rec, None)),
-             ("verify: input alignment check", lambda: launch._aligned_token_inputs(w.q, w.k, w.v, out)),
-             ("verify: kernel launch only", lambda: launch._launch_recurrent(
-                 cfg, "verify", w.q, w.k, w.v, w.state, w.state_indices, w.query_start_loc, gates,
-                 K ** -0.5, True, -1, out, rec, None, True)),
-             ("torch.empty_like", lambda: torch.empty_like(w.v))]
-
-    def show(name, fn):
-        times = host_times(fn)
-        print(f"{name:48s} {times['wall_us']:8.2f} us wall {times['cpu_us']:8.2f} us CPU", flush=True)
-
-    for name, fn in rows:
-        show(name, fn)
-    # The same two launches through Triton's own per-call path, for comparison in this run.
-    print("direct launch enabled:", launch._RECURRENCE.enabled, launch._GROUPED_COMMIT.enabled,
-          "compiled variants:", len(launch._RECURRENCE.compiled), len(launch._GROUPED_COMMIT.compiled))
-    for launcher in (launch._RECURRENCE, launch._GROUPED_COMMIT):
-        launcher.enabled = False
-    for name, fn in rows:
-        if name in ("commit: kernel launch only", "verify: kernel launch only") or "whole call" in name:
-            show(name + " (Triton path)", fn)
+    whole = whole_calls(w, step, ctx, index_sets, backend, out)
+    reference = ("reference", f"torch.empty(8, device={args.device!r})",
+                 functools.partial(torch.empty, 8, device=args.device))
+    if args.whole:
+        rows = [("whole", name, call) for name, call in whole.items()] + [reference]
+    else:
+        rows = verify_pieces(w, backend, out) + commit_pieces(step, ctx, index_sets, backend) + [reference]
+    import recoverssm
+    print(f"host time per call, median of {args.iters} (us): wall / thread CPU; device {args.device}, "
+          f"backend {backend}; recoverssm from {os.path.dirname(os.path.dirname(recoverssm.__file__))}, "
+          f"torch {torch.__version__}, python {sys.version.split()[0]}")
+    times, group = {}, None
+    for g, name, call in rows:
+        if g != group:
+            print(f"-- {g}")
+            group = g
+        wall, cpu = host_us(call, args.device, args.iters)
+        times[(g, name)] = (wall, cpu)
+        print(f"  {name:82s} {wall:8.2f} / {cpu:8.2f}", flush=True)
+    if not args.whole:
+        print("-- differences (us, wall / thread CPU)")
+        for g, what, outer, inner in DIFFERENCES:
+            total = _find(times, g, outer)
+            parts = [_find(times, g, p) for p in inner]
+            if total is None or any(p is None for p in parts):
+                continue
+            wall = total[0] - sum(p[0] for p in parts)
+            cpu = total[1] - sum(p[1] for p in parts)
+            print(f"  {g + ': ' + what:82s} {wall:8.2f} / {cpu:8.2f}")
+    if args.cprofile:
+        for name, call in whole.items():
+            profile(name, call, args.device)
 
 
 if __name__ == "__main__":

@@ -1,25 +1,57 @@
-"""One grouped commit launch (after a warm-up) for ncu: python benchmarks/ncu_commit.py fp32|bf16 [ROWS WARPS [MAXNREG]]
+"""One grouped commit launch after a warm-up one, for ncu, with a commit spec.
 
-fp32: the issue's 12 layers x 8 requests; bf16: 3 groups x 6 layers x 64 requests; both H=16,
-HV=48, K=V=128, the align-mode mix of benchmarks (recoverssm/bench/problems.py).
+    python benchmarks/ncu_commit.py fp32|bf16 [FIELD=VALUE ...]   # e.g. bf16 block_v=32 tiles_per_program=1
+    python benchmarks/ncu_commit.py --tiny bf16 replay_pairs=0     # CPU tensors, Triton's interpreter, tiny shape
+
+fp32: 12 layers x 8 requests; bf16: 3 groups x 6 layers x 64 requests; both H=16, HV=48,
+K=V=128, T=4, the benchmark's align-mode mix (``recoverssm/bench/problems.py::align_step``). The
+fields (``config.CommitSpec``: block_v, warps, max_registers, tiles_per_program, prefetch_records,
+prefetch_next_tile, replay_pairs) replace the cuda launch table's for that state dtype, through
+``tuning.launch_table``; the ``CommitContext`` is built inside it. Used by
+``benchmarks/ncu_run.sh``, which profiles the second launch.
 """
-import sys
+import argparse
+import dataclasses
 
 import torch
 
-sys.path.insert(0, ".")
-from recoverssm.backends.triton.launch import LaunchConfig  # noqa: E402
-from recoverssm.bench.problems import align_step, commit_context  # noqa: E402
+import common
 
-dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[sys.argv[1]]
-groups, layers, requests = (1, 12, 8) if dtype == torch.float32 else (3, 6, 64)
-step = align_step(requests, 4)
-ctx, caches = commit_context(groups, layers, requests, 4, 16, 48, 128, 128, step.num_slots, dtype)
-if len(sys.argv) > 3:
-    rows, warps, cap = (list(map(int, sys.argv[2:5])) + [0])[:3]
-    ctx._committer.set_config(LaunchConfig(commit_block_v=rows, commit_warps=warps,
-                                           commit_max_registers=cap or None))
-for _ in range(2):
-    ctx.commit(step.num_accepted, step.state_indices, step.query_start_loc, block_table=step.block_table,
-               num_computed_tokens=step.num_computed_tokens, block_size=step.block_size)
-    torch.cuda.synchronize()
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("dtype", choices=list(common.DTYPES), help="the state dtype (and with it the case)")
+    ap.add_argument("fields", nargs="*", metavar="FIELD=VALUE", help="CommitSpec fields")
+    common.add_tiny_arg(ap)
+    args = ap.parse_args()
+    device = common.setup_device(args.tiny)
+
+    import recoverssm as rs
+    from recoverssm.backends.cuda.launch_table import LAUNCH_TABLE
+    from recoverssm.backends.triton.config import CommitSpec
+    from recoverssm.backends.triton.tuning import launch_table
+    from recoverssm.bench.problems import align_step, commit_context
+
+    dtype = common.DTYPES[args.dtype]
+    groups, layers, requests = (1, 12, 8) if dtype == torch.float32 else (3, 6, 64)
+    h, hv, k, v = 16, 48, 128, 128
+    if args.tiny:
+        groups, layers, requests, h, hv, k, v = min(groups, 2), 2, 3, 2, 4, 16, 16
+    spec = dataclasses.replace(LAUNCH_TABLE.commit_for(dtype), **common.parse_fields(CommitSpec, args.fields))
+    print("commit spec:", spec, flush=True)
+    step = align_step(requests, 4, device=device)
+    _, caches = commit_context(groups, layers, requests, 4, h, hv, k, v, step.num_slots, dtype, device=device)
+    with launch_table("cuda", common.table_with(LAUNCH_TABLE, "commit", dtype, spec)):
+        ctx = rs.CommitContext(caches, max_batch=requests, backend="cuda")
+    for _ in range(2):
+        ctx.commit(step.num_accepted, step.state_indices, step.query_start_loc, block_table=step.block_table,
+                   num_computed_tokens=step.num_computed_tokens, block_size=step.block_size)
+        if device == "cuda":
+            torch.cuda.synchronize()
+    if args.tiny:
+        print(f"{args.dtype}: two commits of {groups} x {layers} layers x {requests} requests, interpreted")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,34 +1,78 @@
-"""One verify launch (after a warm-up) for ncu: python benchmarks/ncu_verify.py ours LANES_K ROWS [MAXNREG] | fla
+"""One verify launch after a warm-up one, for ncu: ours with a recurrence spec, or FLA's kernel.
 
-Used by benchmarks/ncu_run.sh; N=64, T=4, HV=48, the issue's headline verify case.
+    python benchmarks/ncu_verify.py ours [FIELD=VALUE ...]    # e.g. ours lanes_k=16 rows=4 l2_hints=0
+    python benchmarks/ncu_verify.py fla                       # fla.ops.gated_delta_rule, the peer
+    python benchmarks/ncu_verify.py --tiny ours rows=4        # CPU tensors, Triton's interpreter, tiny shape
+
+N=64, T=4, HV=48, H=16, K=V=128, fp32 state, bf16 inputs: the benchmark's headline verify case.
+``ours``: ``gdn_verify`` on the cuda backend, the fields (``config.RecurrenceSpec``: lanes_k, rows,
+warps, small_grid_programs, small_grid_rows, small_grid_max_registers, ptx_widen_bf16, l2_hints)
+replacing the cuda launch table's for fp32 states, through ``tuning.launch_table``. Used by
+``benchmarks/ncu_run.sh``, which profiles the second launch.
 """
-import sys
+import argparse
+import dataclasses
 
 import torch
 
-sys.path.insert(0, ".")
-from recoverssm.backends.triton import launch  # noqa: E402
-from recoverssm.backends.triton.launch import LaunchConfig  # noqa: E402
-from recoverssm.bench.problems import window  # noqa: E402
-from recoverssm.core.backend import GateInputs  # noqa: E402
+import common
 
 H, K, V, N, T, HV = 16, 128, 128, 64, 4, 48
-w = window(N, T, H, HV, K, V)
-out = torch.empty_like(w.v)
-rec = (w.records.correction, w.records.key, w.records.decay)
-kind = sys.argv[1]
-if kind == "ours":
-    cfg = LaunchConfig(gdn_lanes_k=int(sys.argv[2]), gdn_rows=int(sys.argv[3]),
-                       gdn_max_registers=int(sys.argv[4]) if len(sys.argv) > 4 else None)
-    def call():
-        launch.gdn_recurrent(cfg, "verify", w.q, w.k, w.v, w.state, w.state_indices, w.query_start_loc,
-                             GateInputs(**w.gates()), K ** -0.5, True, -1, out, rec, None)
-else:
+
+
+def fla_call(w):
+    """FLA's fused recurrent GDN over window ``w``: raw gates, q/k l2-normalized in the kernel,
+    the state read from ``w.state[:N]`` (V-major, as ours)."""
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 
-    from recoverssm.bench.suites import _fla_call
-    call = _fla_call(w, fused_recurrent_gated_delta_rule)
-call()
-torch.cuda.synchronize()
-call()
-torch.cuda.synchronize()
+    q4, k4 = w.q.view(w.N, w.T, *w.q.shape[1:]), w.k.view(w.N, w.T, *w.k.shape[1:])
+    v4 = w.v.view(w.N, w.T, *w.v.shape[1:])
+    a4, b4 = w.a.view(w.N, w.T, -1), w.b.view(w.N, w.T, -1)
+    state = w.state[:w.N]
+
+    def call():
+        return fused_recurrent_gated_delta_rule(
+            q4, k4, v4, g=a4, beta=b4, initial_state=state, output_final_state=False, use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True, A_log=w.A_log, dt_bias=w.dt_bias, use_beta_sigmoid_in_kernel=True,
+            state_v_first=True)
+    return call
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("kind", choices=["ours", "fla"])
+    ap.add_argument("fields", nargs="*", metavar="FIELD=VALUE", help="RecurrenceSpec fields (ours only)")
+    common.add_tiny_arg(ap)
+    args = ap.parse_args()
+    device = common.setup_device(args.tiny)
+
+    from recoverssm.backends.cuda.launch_table import LAUNCH_TABLE
+    from recoverssm.backends.triton.config import RecurrenceSpec
+    from recoverssm.backends.triton.tuning import launch_table
+    from recoverssm.bench.problems import window
+
+    n, t, h, hv, k, v = (2, 2, 2, 4, 16, 16) if args.tiny else (N, T, H, HV, K, V)
+    w = window(n, t, h, hv, k, v, device=device)
+    if args.kind == "fla":
+        if args.fields:
+            raise SystemExit("fla takes no fields")
+        calls = [fla_call(w)] * 2
+        table = LAUNCH_TABLE
+    else:
+        spec = dataclasses.replace(LAUNCH_TABLE.recurrence_for(torch.float32),
+                                   **common.parse_fields(RecurrenceSpec, args.fields))
+        table = common.table_with(LAUNCH_TABLE, "recurrence", torch.float32, spec)
+        print("recurrence spec:", spec, flush=True)
+        calls = [w.verify] * 2
+    with launch_table("cuda", table):
+        for call in calls:
+            call()
+            if device == "cuda":
+                torch.cuda.synchronize()
+    if args.tiny:
+        print(f"{args.kind}: two launches at N={n}, T={t}, HV={hv} ran under the interpreter")
+
+
+if __name__ == "__main__":
+    main()

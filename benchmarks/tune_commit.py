@@ -1,106 +1,201 @@
-"""Sweep the grouped commit kernel's tile (V rows per tile), warps, register cap, tiles per
-program, L2 prefetch hints and replay-record pairs on a GPU.
+"""Sweep the grouped commit kernel's launch spec (``CommitSpec``) on a GPU: commit time.
 
-    python benchmarks/tune_commit.py                           # V rows 16..128 x warps 1..8
-    python benchmarks/tune_commit.py --grid 64x4,64x4x128,64x4x0x4,32x2x168x4x1,16x1x128x2x3x1
-                                    # rows x warps [x cap [x tiles [x prefetch [x record pairs]]]]
+    python benchmarks/tune_commit.py                          # block_v 16..128 x warps 1..8
+    python benchmarks/tune_commit.py --grid "block_v=16,tiles_per_program=2;block_v=32,max_registers=168"
+    python benchmarks/tune_commit.py --sweep replay_pairs=0,1 --sweep prefetch_records=0,1 --cases bf16
+    python benchmarks/tune_commit.py --tiny                   # CPU tensors, Triton's interpreter, tiny shapes
+    python benchmarks/tune_commit.py --compile [--grid ...]   # no GPU: registers and spills per configuration
+
+Each configuration replaces some fields of the cuda backend's commit spec for the case's state
+dtype (``recoverssm/backends/cuda/launch_table.py``; ``--base default`` starts from ``CommitSpec()``)
+inside ``recoverssm.backends.triton.tuning.launch_table``; the case's ``CommitContext`` is built
+inside that block (a context fixes its launch when it is built). Fields: ``block_v``, ``warps``,
+``max_registers``, ``tiles_per_program``, ``prefetch_records``, ``prefetch_next_tile``,
+``replay_pairs`` (``config.CommitSpec``).
+
+Cases (H=16, K=V=128, T=4): the benchmark's align-mode commits (groups x layers, requests, state
+dtype; ``recoverssm/bench/problems.py::align_step``) and the commit of its speculative step (one
+layer, fp32 state, row r accepting ``1 + 7r mod T`` tokens, input sets rotated out of L2). Per
+configuration and case: the median device time of ``CommitContext.commit`` (CUDA graph replays)
+and its ratio to a device copy of the same traffic (states read and written, records read).
+Prints a table and writes ``$OUT/tune_commit.json`` when ``OUT`` is set. ``--compile`` compiles
+each configuration for both state dtypes for an NVIDIA target without a GPU and prints registers
+and spilled bytes.
 """
 import argparse
+import dataclasses
 import functools
 import itertools
-import json
-import os
 
 import torch
 
-import recoverssm as rs
-from recoverssm.backends.triton.launch import LaunchConfig
-from recoverssm.bench.problems import align_step, commit_context, window
-from recoverssm.bench.timing import CopyCeiling, copies_for, median_us
+import common
 
 H, K, V = 16, 128, 128
 BLOCK_V, WARPS = [16, 32, 64, 128], [1, 2, 4, 8]
 
 
-def configs(grid):
-    if grid:
-        for spec in grid.split(","):
-            bv, warps, *rest = map(int, spec.split("x"))
-            cap, tiles, prefetch, pairs = rest + [0, 1, 0, 0][len(rest):]
-            yield bv, warps, cap or None, tiles, prefetch, pairs
-        return
-    for bv, warps in itertools.product(BLOCK_V, WARPS):
-        if 4 <= bv * K // (32 * warps) <= 128:
-            yield bv, warps, None, 1, 0, 0
+class Case:
+    """One commit case: its layers (built once) and how to build its contexts and calls."""
+
+    def __init__(self, name, dtype, groups_per_context, max_batch, step_args, traffic):
+        self.name, self.dtype, self.max_batch, self.traffic = name, dtype, max_batch, traffic
+        self.groups_per_context = groups_per_context   # one list of LayerCache groups per context
+        self.step_args = step_args                     # (args, kwargs) of each context's commit
+
+    def calls(self):
+        """Contexts over the case's layers, built now (under the launch table in force), and one
+        commit call per context."""
+        import recoverssm as rs
+
+        contexts = [rs.CommitContext(groups, max_batch=self.max_batch, backend="cuda")
+                    for groups in self.groups_per_context]
+        return contexts, [functools.partial(ctx.commit, *a, **kw) for ctx, (a, kw) in zip(contexts, self.step_args)]
 
 
-def align_case(G, L, R, dtype):
-    """The bench's align-mode commits: ``G`` groups x ``L`` layers, ``R`` requests, T = 4."""
-    step = align_step(R, 4)
-    ctx, caches = commit_context(G, L, R, 4, H, 48, K, V, step.num_slots, dtype)
-    state = 48 * V * K * torch.tensor([], dtype=dtype).element_size()
+def align_case(G, L, R, dtype, dims, device):
+    """The benchmark's align-mode commits: ``G`` groups x ``L`` layers, ``R`` requests, T = 4."""
+    from recoverssm.bench.problems import align_step, commit_context
+
+    h, hv, k, v = dims
+    step = align_step(R, 4, device=device)
+    _, caches = commit_context(G, L, R, 4, h, hv, k, v, step.num_slots, dtype, device=device)
+    state = hv * v * k * torch.tensor([], dtype=dtype).element_size()
     accepted = step.num_accepted.sum().item()
-    traffic = G * L * (state * (2 * R + step.boundaries) + accepted * (48 * V + H * K + 48) * 4)
-    call = functools.partial(ctx.commit, step.num_accepted, step.state_indices, step.query_start_loc,
-                             block_table=step.block_table, num_computed_tokens=step.num_computed_tokens,
-                             block_size=step.block_size)
-    del caches        # the context holds the layers
-    return [ctx], [call], traffic
+    traffic = G * L * (state * (2 * R + step.boundaries) + accepted * (hv * v + h * k + hv) * 4)
+    kw = dict(block_table=step.block_table, num_computed_tokens=step.num_computed_tokens, block_size=step.block_size)
+    name = f"{G}x{L}L x {R}req {'bf16' if dtype == torch.bfloat16 else 'fp32'}"
+    return Case(name, dtype, [caches], R, [((step.num_accepted, step.state_indices, step.query_start_loc), kw)],
+                traffic)
 
 
-def spec_step_case(N, T, HV):
-    """The commit of the bench's speculative step: one layer, ``N`` rows, fp32 state, no align
-    mode, row r accepting ``1 + 7r mod T`` tokens, inputs rotated out of L2 as in the bench."""
-    wins = [window(N, T, H, HV, K, V, seed=i) for i in range(copies_for(N * HV * V * K * 4))]
-    accepted = torch.tensor([1 + (r * 7) % T for r in range(N)], dtype=torch.int32, device="cuda")
+def spec_step_case(N, T, dims, device, copies):
+    """The commit of the benchmark's speculative step: one layer, ``N`` rows, fp32 state, no align
+    mode, row r accepting ``1 + 7r mod T`` tokens; ``copies`` input sets (real verify records)."""
+    import recoverssm as rs
+    from recoverssm.bench.problems import window
+
+    h, hv, k, v = dims
+    wins = [window(N, T, h, hv, k, v, device=device, seed=i) for i in range(copies(N * hv * v * k * 4))]
+    accepted = torch.tensor([1 + (r * 7) % T for r in range(N)], dtype=torch.int32, device=device)
     for w in wins:
-        w.verify()    # real records
-    contexts = [rs.CommitContext([[rs.LayerCache(w.state, w.records)]], max_batch=N, backend="cuda") for w in wins]
-    calls = [functools.partial(c.commit, accepted, w.state_indices, w.query_start_loc) for w, c in zip(wins, contexts)]
-    traffic = 2 * N * HV * V * K * 4 + int(accepted.sum()) * (HV * V + H * K + HV) * 4
-    return contexts, calls, traffic
+        w.verify()
+    traffic = 2 * N * hv * v * k * 4 + int(accepted.sum()) * (hv * v + h * k + hv) * 4
+    return Case(f"spec step 1L x N{N} T{T} HV{hv} fp32", torch.float32,
+                [[[rs.LayerCache(w.state, w.records)]] for w in wins], N,
+                [((accepted, w.state_indices, w.query_start_loc), {}) for w in wins], traffic)
+
+
+def default_configs(k: int) -> list[dict]:
+    """block_v x warps, where a thread holds 4 to 128 state elements."""
+    return [dict(block_v=bv, warps=w) for bv, w in itertools.product(BLOCK_V, WARPS) if 4 <= bv * k // (32 * w) <= 128]
+
+
+def compile_configs(configs, base_kind: str, table, arch: int) -> None:
+    from recoverssm.backends.triton.commit import grouped_commit_kernel
+    from recoverssm.backends.triton.config import CommitSpec
+    from recoverssm.backends.triton.launch import commit_specialization
+
+    rows = []
+    for config in configs:
+        row = {"config": common.label(config)}
+        for dtype in (torch.float32, torch.bfloat16):
+            name = common.TRITON_NAMES[dtype]
+            spec = dataclasses.replace(table.commit_for(dtype) if base_kind == "table" else CommitSpec(), **config)
+            try:
+                _, constexprs, options = commit_specialization(spec, table, name, "fp32", H, 48, K, V, 1, True)
+                regs, spills = common.compile_for_gpu(grouped_commit_kernel, constexprs, common.COMMIT_TYPES,
+                                                      options, arch)
+                row[f"{name}: registers, spilled bytes"] = f"{regs}, {spills}"
+            except Exception as exc:  # noqa: BLE001 - report every configuration
+                row[f"{name}: registers, spilled bytes"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+        rows.append(row)
+        print(row, flush=True)
+    print(f"\ngrouped commit kernel, sm_{arch}, H=16, HV=48, K=V=128, base spec: {base_kind}")
+    common.print_table(rows)
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--grid", help="comma-separated ROWSxWARPS[xMAXNREG[xTILES[xPREFETCH[xPAIRS]]]] (MAXNREG 0 = "
-                                   "no cap; PREFETCH: 1 hints the records, 2 the next tile, 3 both; PAIRS: "
-                                   "1 loads the replay records of two positions at a time, 0 one ahead)")
-    ap.add_argument("--repeat", type=int, default=1, help="passes over the grid (an A/B within one run)")
-    ap.add_argument("--cases", help="run only the cases whose name contains one of these comma-separated words")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--grid", help="configurations: 'FIELD=V,FIELD=V;FIELD=V' (';' between configurations, "
+                                   "an empty one is the base spec)")
+    ap.add_argument("--sweep", action="append", default=[], metavar="FIELD=V1,V2",
+                    help="every value of a field (repeatable: every combination), on each --grid configuration")
+    ap.add_argument("--base", choices=["table", "default"], default="table",
+                    help="the spec the fields replace: the cuda table's for the case's state dtype, or CommitSpec()")
+    ap.add_argument("--cases", help="only the cases whose name contains one of these comma-separated words")
+    ap.add_argument("--repeat", type=int, default=1, help="passes over the configurations (an A/B within one run)")
+    common.add_tiny_arg(ap)
+    common.add_compile_arg(ap)
     args = ap.parse_args()
-    ceiling = CopyCeiling("cuda")
-    cases = [("12L x 8req fp32", functools.partial(align_case, 1, 12, 8, torch.float32)),
-             ("3x6L x 64req bf16", functools.partial(align_case, 3, 6, 64, torch.bfloat16)),
-             ("3x6L x 8req bf16", functools.partial(align_case, 3, 6, 8, torch.bfloat16)),
-             ("spec step 1L x N64 T4 HV32 fp32", functools.partial(spec_step_case, 64, 4, 32)),
-             ("spec step 1L x N64 T4 HV48 fp32", functools.partial(spec_step_case, 64, 4, 48))]
+    device = None if args.compile else common.setup_device(args.tiny)
+
+    from recoverssm.backends.cuda.launch_table import LAUNCH_TABLE
+    from recoverssm.backends.triton.config import CommitSpec
+
+    if args.compile:
+        configs = common.parse_configs(CommitSpec, args.grid, args.sweep, default_configs(K))
+        return compile_configs(configs, args.base, LAUNCH_TABLE, args.compile)
+
+    from recoverssm.backends.triton.tuning import launch_table
+    from recoverssm.bench.timing import CopyCeiling, copies_for
+
+    if args.tiny:
+        dims = (2, 4, 16, 16)
+        builders = [("2L x 3req fp32", functools.partial(align_case, 1, 2, 3, torch.float32, dims, device)),
+                    ("2x2L x 3req bf16", functools.partial(align_case, 2, 2, 3, torch.bfloat16, dims, device)),
+                    ("spec step", functools.partial(spec_step_case, 2, 4, dims, device, lambda nbytes: 1))]
+        default = [{}, dict(block_v=8), dict(tiles_per_program=2, replay_pairs=True)]
+    else:
+        hv48, hv32 = (H, 48, K, V), (H, 32, K, V)
+        builders = [("12L x 8req fp32", functools.partial(align_case, 1, 12, 8, torch.float32, hv48, device)),
+                    ("3x6L x 64req bf16", functools.partial(align_case, 3, 6, 64, torch.bfloat16, hv48, device)),
+                    ("3x6L x 8req bf16", functools.partial(align_case, 3, 6, 8, torch.bfloat16, hv48, device)),
+                    ("spec step N64 HV32", functools.partial(spec_step_case, 64, 4, hv32, device, copies_for)),
+                    ("spec step N64 HV48", functools.partial(spec_step_case, 64, 4, hv48, device, copies_for))]
+        default = default_configs(K)
     if args.cases:
-        cases = [c for c in cases if any(word in c[0] for word in args.cases.split(","))]
-    results = []
-    for name, build in cases:
-        contexts, calls, traffic = build()
-        for _, (bv, warps, cap, tiles, prefetch, pairs) in itertools.product(range(args.repeat),
-                                                                            list(configs(args.grid))):
-            cfg = LaunchConfig(commit_block_v=bv, commit_warps=warps, commit_max_registers=cap,
-                               commit_tiles_per_program=tiles, commit_prefetch_records=bool(prefetch & 1),
-                               commit_prefetch_next_tile=bool(prefetch & 2), commit_replay_pairs=bool(pairs))
-            for ctx in contexts:
-                ctx._committer.set_config(cfg)
-            us = median_us(calls, iters=40)
-            row = dict(case=name, bv=bv, warps=warps, maxnreg=cap, tiles=tiles, prefetch=prefetch, pairs=pairs,
-                       us=round(us, 1), vs_copy=round(ceiling.us(traffic) / us, 3))
+        builders = [b for b in builders if any(word in b[0] for word in args.cases.split(","))]
+    configs = common.parse_configs(CommitSpec, args.grid, args.sweep, default)
+    ceiling = None if args.tiny else CopyCeiling("cuda")
+    results, names = [], []
+    for _, build in builders:
+        case = build()
+        names.append(case.name)
+        base = LAUNCH_TABLE.commit_for(case.dtype) if args.base == "table" else CommitSpec()
+        for run, (index, config) in itertools.product(range(args.repeat), enumerate(configs)):
+            spec = dataclasses.replace(base, **config)
+            row = dict(case=case.name, config=common.label(config), run=run, index=index,
+                       spec=dataclasses.asdict(spec))
+            try:
+                with launch_table("cuda", common.table_with(LAUNCH_TABLE, "commit", case.dtype, spec)):
+                    contexts, calls = case.calls()
+                assert all(ctx.committer.table.commit_for(case.dtype) == spec for ctx in contexts)
+                us = common.device_us(calls, device)
+                row.update(us=round(us, 1), vs_copy=round(ceiling.us(case.traffic) / us, 3) if ceiling else None)
+                del contexts, calls
+            except Exception as exc:  # noqa: BLE001 - a configuration that fails to compile or launch
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             results.append(row)
-            print(row, flush=True)
-        del contexts, calls
-        torch.cuda.empty_cache()
-    for name, _ in cases:
-        best = max((r for r in results if r["case"] == name), key=lambda r: r["vs_copy"])
-        print("best", best)
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "tune_commit.json"), "w") as f:
-            json.dump(results, f, indent=1)
+            print({key: val for key, val in row.items() if key not in ("spec", "index") and val is not None},
+                  flush=True)
+        del case
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+    table = {}
+    for r in results:
+        cells = table.setdefault((r["run"], r["index"]), {"config": r["config"]})
+        cells[r["case"]] = r.get("error", "error") if "us" not in r else (
+            f"{r['us']}" + (f" ({r['vs_copy']})" if r["vs_copy"] is not None else ""))
+    print(f"\nus per commit ({'interpreted' if args.tiny else 'vs copy in parentheses'}); base spec: {args.base}")
+    common.print_table(list(table.values()), ["config", *names])
+    for name in names:
+        ok = [r for r in results if r["case"] == name and "us" in r]
+        if ok:
+            print(f"best for {name}:", min(ok, key=lambda r: r["us"])["config"])
+    common.write_json("tune_commit.json", dict(base=args.base, results=results))
 
 
 if __name__ == "__main__":

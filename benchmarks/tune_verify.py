@@ -1,113 +1,170 @@
-"""Sweep the recurrence kernel's launch configuration on a GPU (one device call).
+"""Sweep the recurrence kernel's launch spec (``RecurrenceSpec``) on a GPU: verify and snapshot time.
 
-    python benchmarks/tune_verify.py [--quick]
-    python benchmarks/tune_verify.py --ncu-case   # one verify launch, for ncu
+    python benchmarks/tune_verify.py [--quick] [--state-dtype fp32|bf16] [--repeat N]
+    python benchmarks/tune_verify.py --grid "rows=4,small_grid_programs=0;lanes_k=16"
+    python benchmarks/tune_verify.py --sweep rows=2,4,8 --sweep l2_hints=0,1
+    python benchmarks/tune_verify.py --tiny          # CPU tensors, Triton's interpreter, tiny shapes
+    python benchmarks/tune_verify.py --compile [--grid ...]   # no GPU: registers and spills per configuration
 
-Prints, per configuration, verify time at the issue's shapes and the ratio to a copy of the state
-bytes; writes tune_verify.json under $OUT when set.
+Each configuration replaces some fields of the cuda backend's spec for the state dtype
+(``recoverssm/backends/cuda/launch_table.py``; ``--base default`` starts from ``RecurrenceSpec()``
+instead) and runs inside ``recoverssm.backends.triton.tuning.launch_table``. Fields:
+``lanes_k``, ``rows``, ``warps``, ``small_grid_programs``, ``small_grid_rows``,
+``small_grid_max_registers``, ``ptx_widen_bf16``, ``l2_hints`` (``config.RecurrenceSpec``).
+
+Per configuration and shape: the median device time of ``gdn_verify`` (or
+``gdn_spec_decode_snapshot``) at H=16, K=V=128 (CUDA graph replays, input sets rotated out of L2)
+and its ratio to a device copy of the same bytes (verify: the state read; snapshot: the state read
+and T states written). Prints a table and writes ``$OUT/tune_verify.json`` when ``OUT`` is set.
+``--compile`` compiles each configuration for an NVIDIA target without a GPU (verify at N=64 and
+N=1, T=4, HV=48: the large-grid and the small-grid tile) and prints registers and spilled bytes:
+a configuration that spills is not worth GPU time.
 """
 import argparse
+import dataclasses
+import functools
 import itertools
-import json
-import os
-from dataclasses import replace
-from functools import partial
 
 import torch
 
-from recoverssm.backends.cuda.plugin import CudaBackend
-from recoverssm.backends.triton import launch
-from recoverssm.backends.triton.launch import LaunchConfig
-from recoverssm.bench.problems import window
-from recoverssm.bench.timing import CopyCeiling, copies_for, median_us
-from recoverssm.core.backend import GateInputs
+import common
 
 H, K, V = 16, 128, 128
-_SNAPSHOT_SLOTS: dict = {}   # built once per window, outside the timed graphs
+SHAPES = [(64, 4, 48, "verify"), (64, 8, 48, "verify"), (256, 4, 48, "verify"), (8, 4, 48, "verify"),
+          (1, 4, 48, "verify"), (8, 8, 48, "verify"), (1, 8, 48, "verify"), (1, 2, 32, "verify"),
+          (1, 2, 48, "verify"), (64, 4, 32, "verify"), (64, 8, 32, "verify"),
+          (64, 4, 48, "snapshot"), (64, 8, 32, "snapshot")]
+TINY = dict(H=2, K=16, V=16, shapes=[(2, 2, 4, "verify"), (3, 4, 4, "verify"), (2, 2, 4, "snapshot")])
 
 
-def run(cfg: LaunchConfig, w, mode="verify"):
-    if mode == "snapshot":   # window built with extra_slots = N * T: one slot per position
-        records = None
-        if id(w) not in _SNAPSHOT_SLOTS:
-            _SNAPSHOT_SLOTS[id(w)] = torch.arange(w.N * w.T, dtype=torch.int32, device=w.q.device).view(w.N, w.T) + w.N
-        snap = _SNAPSHOT_SLOTS[id(w)]
-    else:
-        records, snap = (w.records.correction, w.records.key, w.records.decay), None
-    launch.gdn_recurrent(cfg, mode, w.q, w.k, w.v, w.state, w.state_indices, w.query_start_loc,
-                         GateInputs(**w.gates()), K ** -0.5, True, -1, torch.empty_like(w.v),
-                         records, snap)
+def default_configs(base) -> list[dict]:
+    return [{}, {"small_grid_programs": 0}, {"rows": 4, "small_grid_programs": 0}, {"lanes_k": 16},
+            {"l2_hints": not base.l2_hints}, {"ptx_widen_bf16": not base.ptx_widen_bf16}]
+
+
+def shape_name(N, T, HV, mode) -> str:
+    return f"{mode[:4]}_N{N}T{T}HV{HV}"
+
+
+def call_of(w, mode: str, device: str):
+    """One call of ``mode`` over window ``w``, writing into an output allocated here."""
+    import recoverssm as rs
+
+    out = torch.empty_like(w.v)
+    if mode == "verify":
+        return functools.partial(rs.gdn_verify, w.q, w.k, w.v, state=w.state, state_indices=w.state_indices,
+                                 query_start_loc=w.query_start_loc, records=w.records, out=out, backend="cuda",
+                                 **w.gates())
+    # one snapshot slot per position, past the N slots the rows read (window(extra_slots=N * T))
+    snap = (torch.arange(w.N * w.T, dtype=torch.int32, device=device).view(w.N, w.T) + w.N)
+    return functools.partial(rs.gdn_spec_decode_snapshot, w.q, w.k, w.v, state=w.state,
+                             state_indices=w.state_indices, query_start_loc=w.query_start_loc,
+                             snapshot_slots=snap, out=out, backend="cuda", **w.gates())
+
+
+def compile_configs(configs, base, dtype, table, arch: int) -> None:
+    from recoverssm.backends.triton import launch
+    from recoverssm.backends.triton.recurrence import recurrence_kernel
+    from recoverssm.core.backend import GateInputs
+
+    types = {**common.RECURRENCE_TYPES, "state_ptr": common.POINTER_TYPES[dtype]}
+    rows = []
+    for config in configs:
+        spec = dataclasses.replace(base, **config)
+        row = {"config": common.label(config)}
+        for N in (64, 1):
+            try:
+                tile, constexprs, options = launch.recurrence_specialization(
+                    common.table_with(table, "recurrence", dtype, spec), dtype, H, 48, K, V, K, GateInputs(a=1),
+                    True, True, 48 * N)
+                regs, spills = common.compile_for_gpu(recurrence_kernel, constexprs, types, options, arch)
+                row[f"N{N}: rows x row lanes"] = f"{tile.rows} x {tile.row_lanes}"
+                row[f"N{N}: registers, spilled bytes"] = f"{regs}, {spills}"
+            except Exception as exc:  # noqa: BLE001 - report every configuration
+                row[f"N{N}: registers, spilled bytes"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+        rows.append(row)
+        print(row, flush=True)
+    print(f"\nrecurrence kernel, sm_{arch}, verify at T=4, HV=48, state {common.TRITON_NAMES[dtype]}")
+    common.print_table(rows)
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--ncu-case", action="store_true")
-    ap.add_argument("--grid", help="configurations to sweep, e.g. 8x4,8x4x128,8x8x0x0,8x8x0x1x0 "
-                    "(lanes_k x rows [x register cap, 0: none [x PTX widening of bf16 inputs, 0 or 1 "
-                    "[x L2 hints (gdn_l2_hints), 0 or 1]]]; the last two default to the launch table's)")
-    ap.add_argument("--repeat", type=int, default=1, help="passes over the grid (an A/B within one run)")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--grid", help="configurations: 'FIELD=V,FIELD=V;FIELD=V' (';' between configurations, "
+                                   "an empty one is the base spec)")
+    ap.add_argument("--sweep", action="append", default=[], metavar="FIELD=V1,V2",
+                    help="every value of a field (repeatable: every combination), on each --grid configuration")
+    ap.add_argument("--base", choices=["table", "default"], default="table",
+                    help="the spec the fields replace: the cuda table's, or RecurrenceSpec()'s defaults")
+    ap.add_argument("--state-dtype", choices=list(common.DTYPES), default="fp32")
+    ap.add_argument("--quick", action="store_true", help="the first three configurations only")
+    ap.add_argument("--repeat", type=int, default=1, help="passes over the configurations (an A/B within one run)")
+    common.add_tiny_arg(ap)
+    common.add_compile_arg(ap)
     args = ap.parse_args()
-    if args.ncu_case:
-        w = window(64, 4, H, 48, K, V)
-        cfg = LaunchConfig()
-        run(cfg, w)
-        torch.cuda.synchronize()
-        run(cfg, w)
-        torch.cuda.synchronize()
-        return
-    ceiling = CopyCeiling("cuda")
-    shapes = [(64, 4, 48, "verify"), (64, 8, 48, "verify"), (256, 4, 48, "verify"), (8, 4, 48, "verify"),
-              (1, 4, 48, "verify"), (8, 8, 48, "verify"), (1, 8, 48, "verify"), (1, 2, 32, "verify"),
-              (1, 2, 48, "verify"), (64, 4, 32, "verify"), (64, 8, 32, "verify"),
-              (64, 4, 48, "snapshot"), (64, 8, 32, "snapshot")]
+    device = None if args.compile else common.setup_device(args.tiny)
+
+    from recoverssm.backends.cuda.launch_table import LAUNCH_TABLE
+    from recoverssm.backends.triton.config import RecurrenceSpec
+
+    dtype = common.DTYPES[args.state_dtype]
+    base = LAUNCH_TABLE.recurrence_for(dtype) if args.base == "table" else RecurrenceSpec()
+    configs = common.parse_configs(RecurrenceSpec, args.grid, args.sweep, default_configs(base))
+    if args.quick:
+        configs = configs[:3]
+    if args.compile:
+        return compile_configs(configs, base, dtype, LAUNCH_TABLE, args.compile)
+
+    from recoverssm.backends.triton.tuning import launch_table
+    from recoverssm.bench.problems import window
+    from recoverssm.bench.timing import CopyCeiling, copies_for
+
+    h, k, v, shapes = (TINY["H"], TINY["K"], TINY["V"], TINY["shapes"]) if args.tiny else (H, K, V, SHAPES)
+    ceiling = None if args.tiny else CopyCeiling("cuda")
+    element = torch.tensor([], dtype=dtype).element_size()
     wins = {}
     for N, T, HV, _ in shapes:
         if (N, T, HV) not in wins:
-            n = copies_for(N * HV * V * K * 4)
-            wins[(N, T, HV)] = [window(N, T, H, HV, K, V, extra_slots=N * T, seed=i) for i in range(n)]
-    # (lanes along K, rows per thread, register cap): check a cap compiles without spills
-    # (`python ci/compile_kernels.py` with Triton 3.6 for sm_90) before spending GPU time on it.
-    # Lanes along K above launch.MAX_LANES_K (16) run as 16, so the sweep stops there.
-    # the cuda backend's table row (small-grid rule included) with the swept fields replaced
-    base = CudaBackend.launch_table[None]
-    widen, hints = int(base.gdn_ptx_widen_bf16), int(base.gdn_l2_hints)
-    grid = [(8, 8, None, widen, hints), (8, 4, 168, widen, hints), (8, 4, None, widen, hints),
-            (16, 8, 168, widen, hints), (16, 8, None, widen, hints)]
-    if args.grid:
-        grid = []
-        for spec in args.grid.split(","):
-            fields = list(map(int, spec.split("x")))
-            lanes_k, rows, cap, widen_spec, hints_spec = fields + [0, 0, 0, widen, hints][len(fields):]
-            grid.append((lanes_k, rows, cap or None, widen_spec, hints_spec))
-    if args.quick:
-        grid = grid[:3]
+            n = 1 if args.tiny else copies_for(N * HV * v * k * element)
+            wins[(N, T, HV)] = [window(N, T, h, HV, k, v, state_dtype=dtype, extra_slots=N * T, device=device,
+                                       seed=i) for i in range(n)]
     results = []
-    for _, (lanes_k, rows, max_registers, widen, hints) in itertools.product(range(args.repeat), grid):
-        cfg = replace(base, gdn_lanes_k=lanes_k, gdn_rows=rows, gdn_max_registers=max_registers,
-                      gdn_ptx_widen_bf16=bool(widen), gdn_l2_hints=bool(hints))
-        row = dict(lanes_k=lanes_k, rows=rows, max_registers=max_registers, widen=widen, l2_hints=hints)
+    for _, config in itertools.product(range(args.repeat), configs):
+        spec = dataclasses.replace(base, **config)
+        row = dict(config=common.label(config), spec=dataclasses.asdict(spec))
         try:
-            for N, T, HV, mode in shapes:
-                ws = wins[(N, T, HV)]
-                us = median_us([partial(run, cfg, w, mode) for w in ws], warmup=3, iters=20)
-                state_bytes = N * HV * V * K * 4
-                moved = state_bytes * (1 + T) if mode == "snapshot" else state_bytes
-                name = f"{mode[:4]}_N{N}T{T}" + ("" if HV == 48 else f"HV{HV}")
-                row[name] = round(us, 1)
-                row[f"{name}_vs_copy"] = round(ceiling.us(moved) / us, 3)
-        except Exception as exc:  # noqa: BLE001
+            with launch_table("cuda", common.table_with(LAUNCH_TABLE, "recurrence", dtype, spec)):
+                for N, T, HV, mode in shapes:
+                    us = common.device_us([call_of(w, mode, device) for w in wins[(N, T, HV)]], device, iters=20)
+                    state_bytes = N * HV * v * k * element
+                    moved = state_bytes * (1 + T) if mode == "snapshot" else state_bytes
+                    name = shape_name(N, T, HV, mode)
+                    row[name] = round(us, 1)
+                    row[f"{name}_vs_copy"] = round(ceiling.us(moved) / us, 3) if ceiling else None
+        except Exception as exc:  # noqa: BLE001 - a configuration that fails to compile or launch
             row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         results.append(row)
-        print(row, flush=True)
-    best = sorted((r for r in results if "error" not in r), key=lambda r: r["veri_N64T4"])[:8]
-    print("best by verify N64T4:")
-    for r in best:
-        print(r)
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "tune_verify.json"), "w") as f:
-            json.dump(results, f, indent=1)
+        print(common.label(config), {key: val for key, val in row.items()
+                                     if key not in ("config", "spec") and val is not None}, flush=True)
+
+    names = [shape_name(*s) for s in shapes]
+    table = []
+    for r in results:
+        cells = {"config": r["config"], "error": r.get("error")}
+        for name in names:
+            if name in r:
+                ratio = r[f"{name}_vs_copy"]
+                cells[name] = f"{r[name]}" + (f" ({ratio})" if ratio is not None else "")
+        table.append(cells)
+    print(f"\nus per call ({'interpreted' if args.tiny else 'vs copy in parentheses'}); "
+          f"state {args.state_dtype}, base spec: {base}")
+    common.print_table(table, ["config", *names] + (["error"] if any(r.get("error") for r in results) else []))
+    ok = [r for r in results if "error" not in r]
+    if ok:
+        print(f"\nbest by {names[0]}:", min(ok, key=lambda r: r[names[0]])["config"])
+    common.write_json("tune_verify.json", dict(state_dtype=args.state_dtype, base=dataclasses.asdict(base),
+                                               results=results))
 
 
 if __name__ == "__main__":
