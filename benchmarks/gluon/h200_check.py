@@ -150,8 +150,8 @@ def reference_runner() -> Runner:
     backend = rs.get_backend("cpu_ref")
 
     def run(mode, p: Problem, state, out, records, snapshot_slots):
-        backend.gdn_recurrent(mode, p.q, p.k, p.v, state, p.state_indices, p.qsl, p.gates, p.scale, True,
-                              NULL_SLOT, out, records, snapshot_slots)
+        backend.recurrence(mode, p.q, p.k, p.v, state, p.state_indices, p.qsl, p.gates, p.scale, True,
+                           NULL_SLOT, out, records, snapshot_slots)
     return run
 
 

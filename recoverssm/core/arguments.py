@@ -14,7 +14,7 @@ import torch
 from .backend import GateInputs
 from .indices import INT32_MAX, is_request, is_slot
 from .plan import plan_rows
-from .validation import FLOAT_DTYPES, STATE_DTYPES, Checker
+from .validation import FLOAT_DTYPES, STATE_DTYPES, Checker, PassedLayouts, layout
 
 F32 = (torch.float32,)
 
@@ -60,10 +60,24 @@ def check_records(c: Checker, name: str, correction, key, decay,
 # ------------------------------------------------------------------------------------------------
 # conv
 # ------------------------------------------------------------------------------------------------
+_PASSED = PassedLayouts()
+
+
 def check_conv(op: str, x, conv_state, weight, bias, state_indices, query_start_loc, null_slot: int,
                out, check: Optional[bool], static: bool = False) -> None:
     """``conv_verify`` (``query_start_loc`` given) and ``conv_decode`` (``None``: one token per row)."""
     c = Checker(op, x.device if isinstance(x, torch.Tensor) else torch.device("cpu"), static)
+    key = None if static else (op, null_slot, layout((x, conv_state, weight, bias, state_indices, query_start_loc,
+                                                      out)))
+    if key is None or key not in _PASSED:
+        _conv_layout(c, x, conv_state, weight, bias, state_indices, query_start_loc, null_slot, out)
+        if key is not None:
+            _PASSED.add(key)
+    if c.values(check):
+        _conv_values(c, x, conv_state, weight, state_indices, query_start_loc, null_slot)
+
+
+def _conv_layout(c: Checker, x, conv_state, weight, bias, state_indices, query_start_loc, null_slot, out) -> None:
     c.tensor("conv_state", conv_state, dims=3, dtypes=FLOAT_DTYPES)
     num_slots, dim, cols = conv_state.shape
     c.size("conv_state", dim, "conv_dim")
@@ -92,16 +106,19 @@ def check_conv(op: str, x, conv_state, weight, bias, state_indices, query_start_
     c.writes([("out", out), ("conv_state", conv_state)],
              [("x", x), ("weight", weight), ("bias", bias), ("state_indices", state_indices),
               ("query_start_loc", query_start_loc)])
-    if c.values(check):
-        c.slots_in_range("state_indices", state_indices, num_slots, null_slot)
-        slots = state_indices.tolist()
-        if decoding:
-            lengths = [1] * B
-        else:
-            qsl = c.query_start_loc("query_start_loc", query_start_loc, T, window)
-            lengths = [qsl[r + 1] - qsl[r] for r in range(B)]
-        c.distinct_writes("state_indices", [(r, s) for r, s in enumerate(slots)
-                                            if s > null_slot and lengths[r] > 0], [])
+
+
+def _conv_values(c: Checker, x, conv_state, weight, state_indices, query_start_loc, null_slot: int) -> None:
+    null_slot = c.null_slot(null_slot)
+    c.slots_in_range("state_indices", state_indices, conv_state.shape[0], null_slot)
+    slots = state_indices.tolist()
+    if query_start_loc is None:
+        lengths = [1] * len(slots)
+    else:
+        window = conv_state.shape[2] - (weight.shape[1] - 1)
+        qsl = c.query_start_loc("query_start_loc", query_start_loc, x.shape[0], window)
+        lengths = [qsl[r + 1] - qsl[r] for r in range(len(slots))]
+    c.distinct_writes("state_indices", [(r, s) for r, s in enumerate(slots) if s > null_slot and lengths[r] > 0], [])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -149,6 +166,34 @@ def check_recurrence(op: str, kind: str, mode: str, q, k, v, state, state_indice
     """Every check of ``{gdn,kda}_{verify,decode,spec_decode_snapshot}``. ``records``:
     ``(correction, key, decay)`` in verify, else ``None``; ``snapshot_slots`` in snapshot mode."""
     c = Checker(op, q.device if isinstance(q, torch.Tensor) else torch.device("cpu"), static)
+    tensors = (q, k, v, state, state_indices, query_start_loc, a, b, A_log, dt_bias, g, beta, out, snapshot_slots,
+               *(records or ()))
+    key = None if static else (op, scale, use_qk_l2norm, null_slot, lower_bound, layout(tensors))
+    if key is not None and key in _PASSED:
+        args = RecurrenceArgs(_gate_inputs(kind, a, b, A_log, dt_bias, g, beta, lower_bound),
+                              float(q.shape[2] ** -0.5 if scale is None else scale))
+    else:
+        args = _recurrence_layout(c, kind, q, k, v, state, state_indices, query_start_loc, a, b, A_log, dt_bias, g,
+                                  beta, scale, use_qk_l2norm, null_slot, out, records, snapshot_slots, lower_bound)
+        if key is not None:
+            _PASSED.add(key)
+    if c.values(check):
+        _recurrence_values(c, mode, state_indices, query_start_loc, snapshot_slots, state.shape[0], null_slot,
+                           q.shape[0], records[0].shape[2] if records is not None else None)
+    return args
+
+
+def _gate_inputs(kind, a, b, A_log, dt_bias, g, beta, lower_bound) -> GateInputs:
+    """The gates of a call whose layout has passed the checks."""
+    if g is not None:
+        return GateInputs(g=g, beta=beta, kind=kind)
+    return GateInputs(a=a, b=b, A_log=A_log, dt_bias=dt_bias, kind=kind,
+                      lower_bound=None if lower_bound is None else float(lower_bound))
+
+
+def _recurrence_layout(c: Checker, kind: str, q, k, v, state, state_indices, query_start_loc, a, b, A_log, dt_bias,
+                       g, beta, scale, use_qk_l2norm, null_slot, out, records, snapshot_slots,
+                       lower_bound) -> RecurrenceArgs:
     c.tensor("state", state, dims=4, dtypes=STATE_DTYPES, last_contiguous=True)
     num_slots, HV, V, K = state.shape
     for what, size in (("HV", HV), ("V", V), ("K", K)):
@@ -199,9 +244,6 @@ def check_recurrence(op: str, kind: str, mode: str, q, k, v, state, state_indice
     else:
         written.append(("state", state))
     c.writes(written, read)
-    if c.values(check):
-        _recurrence_values(c, mode, state_indices, query_start_loc, snapshot_slots, num_slots, null_slot, T,
-                           records[0].shape[2] if records is not None else None)
     return RecurrenceArgs(gates, float(scale))
 
 

@@ -38,6 +38,31 @@ def wants_value_checks(check: Optional[bool], device: torch.device) -> bool:
     return bool(check) and not _capturing(device)
 
 
+def layout(tensors: Sequence[Optional[torch.Tensor]]) -> tuple:
+    """Everything about these tensors that the checks without values read: per tensor its
+    address, dtype, shape, strides and device (``None`` stays ``None``)."""
+    return tuple([None if t is None else (t.data_ptr(), t.dtype, t.shape, t.stride(), t.device) for t in tensors])
+
+
+class PassedLayouts:
+    """Remembers the argument layouts (``layout`` plus the scalars) that passed an op's checks
+    without values, so that a call repeating one (the same addresses, dtypes, shapes, strides,
+    devices: an engine's persistent buffers, or activations the caching allocator puts at the
+    same addresses every step) skips them: they would pass again. Bounded; never holds a tensor."""
+
+    def __init__(self, size: int = 512):
+        self.size = size
+        self._keys: set = set()
+
+    def __contains__(self, key) -> bool:
+        return key in self._keys
+
+    def add(self, key) -> None:
+        if len(self._keys) >= self.size:
+            self._keys.clear()
+        self._keys.add(key)
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 

@@ -86,8 +86,13 @@ def conv_decode(table: LaunchTable, x, conv_state, weight, bias, state_indices, 
 # ------------------------------------------------------------------------------------------------
 def _rows_aligned(t: torch.Tensor) -> bool:
     """Every row (last dim) of ``t`` starts on a 16-byte boundary."""
+    if t.data_ptr() % 16:
+        return False
     vec = 16 // t.element_size()
-    return t.data_ptr() % 16 == 0 and all(s % vec == 0 for s in t.stride()[:-1])
+    for s in t.stride()[:-1]:
+        if s % vec:
+            return False
+    return True
 
 
 def _aligned_token_inputs(q, k, v, out):
@@ -142,14 +147,34 @@ def recurrence_tile(spec: RecurrenceSpec, K: int, V: int, heads_times_rows: Opti
     return RecurrenceTile(k_pad, k_inner, rows, row_lanes, max_registers)
 
 
+_SPECIALIZATIONS: dict = {}
+
+
 def recurrence_specialization(table: LaunchTable, state_dtype: torch.dtype, H: int, HV: int, K: int, V: int,
                               state_row_stride: int, gates: GateInputs, use_qk_l2norm: bool, aligned: bool,
                               heads_times_rows: Optional[int] = None) -> tuple[RecurrenceTile, dict, dict]:
     """The recurrence kernel's ``(tile, constexprs, compile options)`` for one call. Nothing in
-    it depends on the mode (verify, decode, snapshot), so the three modes run one binary."""
+    it depends on the mode (verify, decode, snapshot), so the three modes run one binary.
+    Remembered per argument (every call asks; the answer is a few dicts)."""
+    interpreted = interpreting()
+    key = (id(table), state_dtype, H, HV, K, V, state_row_stride, gates.kind, gates.precomputed,
+           gates.lower_bound is None, use_qk_l2norm, aligned, heads_times_rows, interpreted)
+    hit = _SPECIALIZATIONS.get(key)
+    if hit is not None and hit[0] is table:
+        return hit[1]
+    answer = _specialize_recurrence(table, state_dtype, H, HV, K, V, state_row_stride, gates, use_qk_l2norm, aligned,
+                                    heads_times_rows, interpreted)
+    if len(_SPECIALIZATIONS) > 256:
+        _SPECIALIZATIONS.clear()
+    _SPECIALIZATIONS[key] = (table, answer)
+    return answer
+
+
+def _specialize_recurrence(table: LaunchTable, state_dtype: torch.dtype, H: int, HV: int, K: int, V: int,
+                           state_row_stride: int, gates: GateInputs, use_qk_l2norm: bool, aligned: bool,
+                           heads_times_rows: Optional[int], interpreted: bool) -> tuple[RecurrenceTile, dict, dict]:
     spec = table.recurrence_for(state_dtype)
     tile = recurrence_tile(spec, K, V, heads_times_rows)
-    interpreted = interpreting()
     constexprs = dict(
         H=H, HV=HV, K=K, V=V, STRIDE_S_V=state_row_stride, K_PAD=tile.k_pad, K_INNER=tile.k_inner, ROWS=tile.rows,
         ROW_LANES=tile.row_lanes, GATES_PRECOMPUTED=gates.precomputed, USE_L2NORM=bool(use_qk_l2norm),
