@@ -51,7 +51,8 @@ def legal_calls() -> None:
     rs.gdn_verify(w.q, w.k, w.v, state=state, state_indices=w.state_indices,
                   query_start_loc=w.query_start_loc, records=w.records, **w.gates())
     ctx = rs.CommitContext([[rs.LayerCache(state, w.records, conv_state, conv_width=4)],
-                            [rs.LayerCache(state.clone(), rs.ReplayRecords.allocate(R, T, H, HV, K, V, device="cuda"))]],
+                            [rs.LayerCache(state.clone(),
+                                           rs.ReplayRecords.allocate(R, T, H, HV, K, V, device="cuda"))]],
                            max_batch=R)
     align = dict(block_table=step.block_table, num_computed_tokens=step.num_computed_tokens, block_size=step.block_size)
     ctx.commit(step.num_accepted, step.state_indices, step.query_start_loc, check=True, **align)

@@ -1,4 +1,4 @@
-"""Test session setup.
+"""Test setup.
 
 Without a CUDA GPU, the Triton kernels run in Triton's CPU interpreter: ``TRITON_INTERPRET=1``
 must be set before any kernel module is imported, so it is set here, first. On a GPU machine the

@@ -1,7 +1,7 @@
 """The tests' problem builders, and an independent float64 reference for the cpu_ref tests.
 
 Nothing here calls the math of the code under test: the reference recurrence, gates, l2norm and
-conv are written again in float64, straight from the contract (section 2).
+conv are written again in float64, straight from the math in docs/API.md.
 
 Two ways to build a GDN :class:`Problem`:
 
@@ -358,7 +358,7 @@ def _softplus64(x: torch.Tensor) -> torch.Tensor:
 
 def ref_gdn(p: Problem, *, scale: Optional[float] = None, use_qk_l2norm: bool = True,
             null_slot: int = -1) -> dict:
-    """Step-by-step float64 GDN over every row (contract section 2).
+    """Step-by-step float64 GDN over every row (the recurrence of docs/API.md).
 
     Returns ``out`` [T, HV, V] f64, and per live row ``r``: ``corr[r]`` [HV, len, V],
     ``key[r]`` [H, len, K], ``decay[r]`` [HV, len], ``states[r]`` (list of len+1 f64 states,

@@ -473,29 +473,11 @@ def step_offenders(accepted: list, qsl: list, step: Step, null_slot: int, pools:
         q = req[r]
         if not 0 <= q < R or src <= null_slot or not slot_legal(src, null_slot, smallest):
             continue
-        length = qsl[r + 1] - qsl[r]
-        if not 0 <= accepted[q] <= length:
+        if not 0 <= accepted[q] <= qsl[r + 1] - qsl[r]:
             bad.add("num_accepted")
-            continue
-        n = accepted[q]
-        if not align or n == 0:
-            continue
-        nc = step.num_computed_tokens[q]
-        if nc < 0:
-            continue
-        blocks = step.block_table[q]
-        last = (nc + n - 1) // step.block_size
-        if last >= len(blocks):
+        elif align and accepted[q] > 0 and step.num_computed_tokens[q] >= 0 and not _blocks_read_legal(
+                step.block_table[q], step.num_computed_tokens[q], accepted[q], step.block_size, null_slot, pools):
             bad.add("block_table" + suffix)
-            continue
-        final = blocks[last]
-        if not all(slot_legal(final, null_slot, m) for m in pools):
-            bad.add("block_table" + suffix)
-            continue
-        first = nc // step.block_size
-        if final > null_slot and nc + n >= (first + 1) * step.block_size and first < len(blocks):
-            if not all(slot_legal(blocks[first], null_slot, m) for m in pools):
-                bad.add("block_table" + suffix)
     if bad:
         return bad
     plan = step.plan(accepted, qsl, null_slot, smallest)
@@ -504,6 +486,22 @@ def step_offenders(accepted: list, qsl: list, step: Step, null_slot: int, pools:
     if conflicts(writes, sources):
         bad.add(("block_table" if align else "state_indices") + suffix)
     return bad
+
+
+def _blocks_read_legal(blocks: list, nc: int, n: int, block_size: int, null_slot: int, pools: Sequence[int]) -> bool:
+    """The block-table entries a live row's commit reads (its final block, and its first block
+    where the window crosses a block boundary) are padding or slots, and the final block is a
+    column of the table."""
+    last = (nc + n - 1) // block_size
+    if last >= len(blocks):
+        return False
+    final = blocks[last]
+    if not all(slot_legal(final, null_slot, m) for m in pools):
+        return False
+    first = nc // block_size
+    if final > null_slot and nc + n >= (first + 1) * block_size and first < len(blocks):
+        return all(slot_legal(blocks[first], null_slot, m) for m in pools)
+    return True
 
 
 def plan_writes(plan: list, sources: list, null_slot: int) -> tuple[set, bool]:

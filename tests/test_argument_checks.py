@@ -38,7 +38,8 @@ def verify_kwargs(T=5, K_state=K, K_q=K):
     return dict(q=torch.randn(T, H, K_q, generator=g), k=torch.randn(T, H, K_q, generator=g),
                 v=torch.randn(T, HV, V, generator=g), state=torch.randn(6, HV, V, K_state, generator=g),
                 state_indices=torch.tensor([0, 2, 1], dtype=I32), query_start_loc=torch.tensor([0, 3, 3, 5], dtype=I32),
-                records=rs.ReplayRecords(torch.zeros(3, HV, 4, V), torch.zeros(3, H, 4, K_state), torch.zeros(3, HV, 4)),
+                records=rs.ReplayRecords(torch.zeros(3, HV, 4, V), torch.zeros(3, H, 4, K_state),
+                                         torch.zeros(3, HV, 4)),
                 g=-torch.rand(T, HV, generator=g), beta=torch.rand(T, HV, generator=g),
                 out=torch.full((T, HV, V), 7.0))
 
@@ -105,7 +106,8 @@ def test_conv_refuses_a_weight_inside_out():
 def commit_layer(seed=0, conv=True, num_slots=6):
     g = torch.Generator().manual_seed(seed)
     return rs.LayerCache(torch.randn(num_slots, HV, V, K, generator=g), rs.ReplayRecords.allocate(3, 4, H, HV, K, V),
-                         torch.randn(num_slots, 8, 3 + 4, generator=g) if conv else None, conv_width=4 if conv else None)
+                         torch.randn(num_slots, 8, 3 + 4, generator=g) if conv else None,
+                         conv_width=4 if conv else None)
 
 
 @pytest.mark.parametrize("make, name, other", [
@@ -160,7 +162,8 @@ def test_conv_weight_without_taps_is_refused():
 def test_conv_width_is_required_with_a_conv_state():
     layer = commit_layer()
     layer.conv_width = None
-    with pytest.raises(ValueError, match=r"^CommitContext: groups\[0\]\[0\]\.conv_width must be the conv kernel's width"):
+    with pytest.raises(ValueError,
+                       match=r"^CommitContext: groups\[0\]\[0\]\.conv_width must be the conv kernel's width"):
         rs.CommitContext([[layer]], max_batch=3)
 
 
@@ -176,7 +179,8 @@ def test_conv_state_too_narrow_for_width_and_window_is_refused():
 # ------------------------------------------------------------------------------------------------
 def test_head_size_mismatch_names_q_and_the_state():
     kw = verify_kwargs(K_q=8)
-    with pytest.raises(ValueError, match=r"^gdn_verify: q has shape \[5, 2, 8\]; expected \[5, 2, 16\] \(K = 16 from state"):
+    with pytest.raises(ValueError,
+                       match=r"^gdn_verify: q has shape \[5, 2, 8\]; expected \[5, 2, 16\] \(K = 16 from state"):
         call(rs.gdn_verify, kw)
 
 

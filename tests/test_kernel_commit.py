@@ -73,7 +73,8 @@ def test_align_commit_matches_reference(s, state_dtype):
     _, rec = verify(p, "cuda")
     plan = rs.plan_commit(accepted, p.state_indices, p.qsl, backend="cuda", **align)
     ref_plan = rs.plan_commit(accepted.cpu(), p.state_indices.cpu(), p.qsl.cpu(),
-                              backend="cpu_ref", **{k: (v.cpu() if torch.is_tensor(v) else v) for k, v in align.items()})
+                              backend="cpu_ref",
+                              **{k: (v.cpu() if torch.is_tensor(v) else v) for k, v in align.items()})
     assert plan.as_dict() == ref_plan.as_dict()
     assert ref_plan.as_dict() == {"commit_len": [2, 4, 4, 3, 0], "final_slot": [1, 5, 8, 12, -1],
                                   "boundary_slot": [-1, 4, -1, 11, -1], "boundary_len": [0, 2, 0, 2, 0]}
@@ -210,11 +211,13 @@ def test_conv_compaction_matches_reference(s):
     conv_state = torch.randn(16, 20, 3 + 4, device=device).to(torch.bfloat16)
     for kw in (align, {}):
         gpu_conv = conv_state.clone()
-        ctx = rs.CommitContext([[rs.LayerCache(p.state.clone(), rec, gpu_conv, conv_width=4)]], max_batch=5, backend="cuda")
+        ctx = rs.CommitContext([[rs.LayerCache(p.state.clone(), rec, gpu_conv, conv_width=4)]], max_batch=5,
+                               backend="cuda")
         ctx.commit(accepted, p.state_indices, p.qsl, **kw)
         cpu_conv = conv_state.cpu().clone()
         state_cpu, rec_cpu = to_cpu(p.state.clone(), rec)
-        ref = rs.CommitContext([[rs.LayerCache(state_cpu, rec_cpu, cpu_conv, conv_width=4)]], max_batch=5, backend="cpu_ref")
+        ref = rs.CommitContext([[rs.LayerCache(state_cpu, rec_cpu, cpu_conv, conv_width=4)]], max_batch=5,
+                               backend="cpu_ref")
         ref.commit(accepted.cpu(), p.state_indices.cpu(), p.qsl.cpu(),
                    **{k: (v.cpu() if torch.is_tensor(v) else v) for k, v in kw.items()})
         assert torch.equal(gpu_conv.cpu(), cpu_conv)

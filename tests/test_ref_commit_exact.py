@@ -48,7 +48,8 @@ def test_commit_equals_decode_every_n(T, state_dtype, regime, gate_form):
         assert torch.equal(commit_state(p, records, ns, checked=False), expected), f"n={n}: unchecked"
         if n == 0:
             assert torch.equal(committed, p.state), "n=0 must leave the pool unchanged"
-        distinct.add(committed.numpy().tobytes() if state_dtype == F32 else committed.view(torch.int16).numpy().tobytes())
+        bits = committed if state_dtype == F32 else committed.view(torch.int16)
+        distinct.add(bits.numpy().tobytes())
     # the test must be able to tell n apart (every n up to T gives a different pool)
     assert len(distinct) == T + 1
 

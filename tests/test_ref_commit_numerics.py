@@ -1,4 +1,4 @@
-"""The commit's rounding, checked exactly (contract section 2):
+"""The commit's rounding, checked exactly:
 
     S' = S * d            one fp32 multiply, rounded
     S  = fma(c, k^, S')   S'[i,j] + c[i] * k^[j] with ONE rounding

@@ -1,4 +1,4 @@
-"""Backend registry: selection order, errors, entry-point plugins (contract section 6)."""
+"""Backend registry: selection order, errors, entry-point plugins ."""
 import importlib
 import itertools
 import os

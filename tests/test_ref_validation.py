@@ -263,7 +263,8 @@ GDN_CASES = [
     ("out int", setk("out", lambda kw: kw["out"].int()), TE, "out"),
     ("out last dim strided", setk("out", lambda kw: strided_last(kw["out"])), VE, "out"),
     ("out is v", setk("out", lambda kw: kw["v"]), VE, "out"),
-    ("out overlaps the state", setk("out", lambda kw: kw["state"].view(-1)[:kw["v"].numel()].view(kw["v"].shape)), VE, "out"),
+    ("out overlaps the state", setk("out", lambda kw: kw["state"].view(-1)[:kw["v"].numel()].view(kw["v"].shape)),
+     VE, "out"),
     ("out on another device", setk("out", lambda kw: on_meta(kw["out"])), VE, "out"),
 ]
 
@@ -285,10 +286,13 @@ VERIFY_CASES = [
     ("records wrong H", recs(lambda r: records_like(3, 4, H=1)), VE, "q"),
     ("records wrong V", recs(lambda r: records_like(3, 4, V=8)), VE, "state"),
     ("records bf16", recs(lambda r: rs.ReplayRecords(r.correction.to(BF16), r.key, r.decay)), TE, "records.correction"),
-    ("records strided", recs(lambda r: rs.ReplayRecords(r.correction, r.key, strided_last(r.decay))), VE, "records.decay"),
-    ("records on another device", recs(lambda r: rs.ReplayRecords(on_meta(r.correction), r.key, r.decay)), VE, "records.correction"),
+    ("records strided", recs(lambda r: rs.ReplayRecords(r.correction, r.key, strided_last(r.decay))),
+     VE, "records.decay"),
+    ("records on another device", recs(lambda r: rs.ReplayRecords(on_meta(r.correction), r.key, r.decay)),
+     VE, "records.correction"),
     # hand-built records with a field of the wrong rank or not a tensor
-    ("records correction 2 dims", recs(lambda r: rs.ReplayRecords(r.correction[0, 0], r.key, r.decay)), VE, "records.correction"),
+    ("records correction 2 dims", recs(lambda r: rs.ReplayRecords(r.correction[0, 0], r.key, r.decay)),
+     VE, "records.correction"),
     ("records key 3 dims", recs(lambda r: rs.ReplayRecords(r.correction, r.key[0], r.decay)), VE, "records.key"),
     ("records decay not a tensor", recs(lambda r: rs.ReplayRecords(r.correction, r.key, None)), TE, "records.decay"),
     ("records key not a tensor", recs(lambda r: rs.ReplayRecords(r.correction, None, r.decay)), TE, "records.key"),
@@ -304,8 +308,10 @@ DECODE_CASES = [
 
 SNAPSHOT_CASES = [
     ("snapshot_slots int64", setk("snapshot_slots", lambda kw: kw["snapshot_slots"].long()), TE, "snapshot_slots"),
-    ("snapshot_slots wrong rows", setk("snapshot_slots", lambda kw: kw["snapshot_slots"][:2].contiguous()), VE, "snapshot_slots"),
-    ("snapshot_slots not contiguous", setk("snapshot_slots", lambda kw: kw["snapshot_slots"].t().contiguous().t()), VE, "snapshot_slots"),
+    ("snapshot_slots wrong rows", setk("snapshot_slots", lambda kw: kw["snapshot_slots"][:2].contiguous()),
+     VE, "snapshot_slots"),
+    ("snapshot_slots not contiguous", setk("snapshot_slots", lambda kw: kw["snapshot_slots"].t().contiguous().t()),
+     VE, "snapshot_slots"),
     ("snapshot slot out of range", setk("snapshot_slots", lambda kw: torch.tensor(
         [[3, 4, NUM_SLOTS, -1], [-1] * 4, [-1] * 4], dtype=torch.int32)), VE, "snapshot_slots"),
     ("snapshot slots duplicated", setk("snapshot_slots", lambda kw: torch.tensor(
@@ -318,7 +324,8 @@ SNAPSHOT_CASES = [
                                                                   dtype=torch.int32)), VE, "snapshot_slots"),
     ("row longer than the snapshot window", setk("snapshot_slots", lambda kw: torch.tensor(
         [[3, 4], [-1, -1], [-1, -1]], dtype=torch.int32)), VE, "query_start_loc"),
-    ("source slot out of range", setk("state_indices", lambda kw: i32([0, 2, -1 + NUM_SLOTS + 1])), VE, "state_indices"),
+    ("source slot out of range", setk("state_indices", lambda kw: i32([0, 2, -1 + NUM_SLOTS + 1])),
+     VE, "state_indices"),
 ]
 
 CONV_CASES = [
@@ -331,7 +338,8 @@ CONV_CASES = [
     ("weight on another device", setk("weight", lambda kw: on_meta(kw["weight"])), VE, "weight"),
     # conv_dim comes from the conv state; the weight that disagrees is named, with where it came from
     ("conv_state channels", setk("conv_state", lambda kw: kw["conv_state"][:, :4].contiguous()), VE, "weight"),
-    ("conv_state no window room", setk("conv_state", lambda kw: kw["conv_state"][:, :, :3].contiguous()), VE, "conv_state"),
+    ("conv_state no window room", setk("conv_state", lambda kw: kw["conv_state"][:, :, :3].contiguous()),
+     VE, "conv_state"),
     ("conv_state 2 dims", setk("conv_state", lambda kw: kw["conv_state"][0]), VE, "conv_state"),
     ("bias wrong shape", setk("bias", lambda kw: kw["bias"][:4].contiguous()), VE, "bias"),
     ("bias int", setk("bias", lambda kw: kw["bias"].int()), TE, "bias"),
@@ -372,8 +380,10 @@ ALIGN_CASES = [
     ("align mode without block_size", drop("block_size"), VE, "block_size"),
     ("block_size zero", setk("block_size", lambda kw: 0), VE, "block_size"),
     ("block_size a float", setk("block_size", lambda kw: 4.0), TE, "block_size"),
-    ("negative num_computed_tokens", setk("num_computed_tokens", lambda kw: i32([2, 1, -3])), VE, "num_computed_tokens"),
-    ("num_computed_tokens wrong length", setk("num_computed_tokens", lambda kw: i32([2, 1])), VE, "num_computed_tokens"),
+    ("negative num_computed_tokens", setk("num_computed_tokens", lambda kw: i32([2, 1, -3])),
+     VE, "num_computed_tokens"),
+    ("num_computed_tokens wrong length", setk("num_computed_tokens", lambda kw: i32([2, 1])),
+     VE, "num_computed_tokens"),
     ("block_table int64", setk("block_table", lambda kw: kw["block_table"].long()), TE, "block_table"),
     ("block_table 1 dim", setk("block_table", lambda kw: kw["block_table"][:, 0].contiguous()), VE, "block_table"),
     ("block_table wrong rows", setk("block_table", lambda kw: kw["block_table"][:2].contiguous()), VE, "block_table"),
@@ -396,19 +406,22 @@ COMMIT_CASES = [
     ("duplicate destination slots", setk("state_indices", lambda kw: i32([1, 2, 1])), VE, "state_indices"),
     ("slot out of range", setk("state_indices", lambda kw: i32([0, 2, NUM_SLOTS])), VE, "state_indices"),
     ("more rows than max_batch", setk("max_batch", lambda kw: 2), VE, "state_indices"),
-    ("row longer than the records window", setk("query_start_loc", lambda kw: i32([0, 5, 5, 5])), VE, "query_start_loc"),
+    ("row longer than the records window", setk("query_start_loc", lambda kw: i32([0, 5, 5, 5])),
+     VE, "query_start_loc"),
     ("query_start_loc decreasing", setk("query_start_loc", lambda kw: i32([0, 3, 2, 5])), VE, "query_start_loc"),
     ("bad request_indices", setk("request_indices", lambda kw: i32([0, 1, 3])), VE, "request_indices"),
     ("request_indices wrong length", setk("request_indices", lambda kw: i32([0, 1])), VE, "request_indices"),
     ("fewer requests than rows", setk("num_accepted", lambda kw: i32([2])), VE, "num_accepted"),
-    ("per-group list of the wrong length", setk("state_indices", lambda kw: [kw["state_indices"]] * 2), VE, "state_indices"),
+    ("per-group list of the wrong length", setk("state_indices", lambda kw: [kw["state_indices"]] * 2),
+     VE, "state_indices"),
     ("block_table without num_computed_tokens", setk("block_table", lambda kw: torch.zeros(3, 2, dtype=torch.int32)),
      VE, "num_computed_tokens"),
 ]
 
 COMMIT_ALIGN_CASES = [
     ("align mode without block_size", drop("block_size"), VE, "block_size"),
-    ("negative num_computed_tokens", setk("num_computed_tokens", lambda kw: i32([-2, 1, 3])), VE, "num_computed_tokens"),
+    ("negative num_computed_tokens", setk("num_computed_tokens", lambda kw: i32([-2, 1, 3])),
+     VE, "num_computed_tokens"),
     # row 0 writes 5 (boundary) and 3 (final); row 2 writes 0 (boundary, row 0's source) and 4
     ("boundary slot is another row's source", setk("block_table", lambda kw: torch.tensor(
         [[5, 3], [2, 5], [0, 4]], dtype=torch.int32)), VE, "block_table"),
@@ -445,32 +458,35 @@ CONTEXT_CASES = [
     ("layer not a LayerCache", setk("groups", lambda kw: [[kw["groups"][0][0].state]]), TE, "groups[0][0]"),
     ("max_batch zero", setk("max_batch", lambda kw: 0), VE, "max_batch"),
     ("max_batch a float", setk("max_batch", lambda kw: 3.0), TE, "max_batch"),
-    ("records not ReplayRecords", group0_mut(lambda cache: rs.LayerCache(cache.state, (1, 2, 3))), TE, "groups[0][0].records"),
+    ("records not ReplayRecords", group0_mut(lambda cache: rs.LayerCache(cache.state, (1, 2, 3))),
+     TE, "groups[0][0].records"),
     ("records key 3 dims", group0_mut(lambda cache: rs.LayerCache(cache.state, rs.ReplayRecords(
         cache.records.correction, cache.records.key[0], cache.records.decay))), VE, "groups[0][0].records.key"),
     ("records correction 2 dims", group0_mut(lambda cache: rs.LayerCache(cache.state, rs.ReplayRecords(
-        cache.records.correction[0, 0], cache.records.key, cache.records.decay))), VE, "groups[0][0].records.correction"),
+        cache.records.correction[0, 0], cache.records.key, cache.records.decay))),
+     VE, "groups[0][0].records.correction"),
     ("records key not a tensor", group0_mut(lambda cache: rs.LayerCache(cache.state, rs.ReplayRecords(
         cache.records.correction, None, cache.records.decay))), TE, "groups[0][0].records.key"),
-    ("records too few rows", group0_mut(lambda cache: rs.LayerCache(cache.state, records_like(2, 4))), VE, "groups[0][0].records"),
-    ("state float16", group0_mut(lambda cache: rs.LayerCache(cache.state.half(), cache.records)), TE, "groups[0][0].state"),
+    ("records too few rows", group0_mut(lambda cache: rs.LayerCache(cache.state, records_like(2, 4))),
+     VE, "groups[0][0].records"),
+    ("state float16", group0_mut(lambda cache: rs.LayerCache(cache.state.half(), cache.records)),
+     TE, "groups[0][0].state"),
     ("state K differs from records", group0_mut(lambda cache: rs.LayerCache(cache.state, records_like(3, 4, K=32))),
      VE, "groups[0][0].state"),
     ("state last dim strided", group0_mut(lambda cache: rs.LayerCache(strided_last(cache.state), cache.records)),
      VE, "groups[0][0].state"),
     ("records key not contiguous", group0_mut(lambda cache: rs.LayerCache(cache.state, rs.ReplayRecords(
-        cache.records.correction, cache.records.key.transpose(0, 1).contiguous().transpose(0, 1), cache.records.decay))),
+        cache.records.correction, cache.records.key.transpose(0, 1).contiguous().transpose(0, 1),
+        cache.records.decay))),
      VE, "groups[0][0].records.key"),
-    ("conv_state slot count", group0_mut(lambda cache: rs.LayerCache(cache.state, cache.records, conv_state=torch.zeros(3, 8, 7),
-                                                                                conv_width=4)),
+    ("conv_state slot count", group0_mut(lambda cache: rs.LayerCache(
+        cache.state, cache.records, conv_state=torch.zeros(3, 8, 7), conv_width=4)),
      VE, "groups[0][0].conv_state"),
-    ("conv_state narrower than the window", group0_mut(lambda cache: rs.LayerCache(cache.state, cache.records,
-                                                                                   conv_state=torch.zeros(NUM_SLOTS, 8, 3),
-                                                                                   conv_width=4)),
+    ("conv_state narrower than the window", group0_mut(lambda cache: rs.LayerCache(
+        cache.state, cache.records, conv_state=torch.zeros(NUM_SLOTS, 8, 3), conv_width=4)),
      VE, "groups[0][0].conv_state"),
-    ("conv_state int", group0_mut(lambda cache: rs.LayerCache(cache.state, cache.records,
-                                                              conv_state=torch.zeros(NUM_SLOTS, 8, 7, dtype=torch.int32),
-                                                              conv_width=4)),
+    ("conv_state int", group0_mut(lambda cache: rs.LayerCache(
+        cache.state, cache.records, conv_state=torch.zeros(NUM_SLOTS, 8, 7, dtype=torch.int32), conv_width=4)),
      TE, "groups[0][0].conv_state"),
     ("layers on two devices", setk("groups", lambda kw: [kw["groups"][0], [rs.LayerCache(
         on_meta(kw["groups"][1][0].state), kw["groups"][1][0].records)]]), VE, "groups[1][0].state"),

@@ -45,7 +45,7 @@ TINY = ModelConfig(vocab=64, hidden=32, num_layers=2, H=2, HV=4, K=8, V=8, mlp_h
 # loop split whatever the ISA (HV = 4 -> 2 scalar; conv channels 64 -> 32, multiples of 32), so
 # cpu_ref is shard-invariant. "wide": HV = 32 -> 16 and 320 -> 160 conv channels, where cpu_ref's
 # per-token gates and SiLU may land in the vectorised body on one side and the scalar tail on the
-# other (contract section 2, "A CPU pitfall").
+# other (cpu_ref/numerics.py says why).
 OP_CASES = {
     "small_fp32": dict(H=2, HV=4, K=8, V=8, state_dtype=torch.float32),
     "small_bf16": dict(H=2, HV=4, K=8, V=8, state_dtype=torch.bfloat16),

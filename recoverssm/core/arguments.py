@@ -194,17 +194,8 @@ def _gate_inputs(kind, a, b, A_log, dt_bias, g, beta, lower_bound) -> GateInputs
 def _recurrence_layout(c: Checker, kind: str, q, k, v, state, state_indices, query_start_loc, a, b, A_log, dt_bias,
                        g, beta, scale, use_qk_l2norm, null_slot, out, records, snapshot_slots,
                        lower_bound) -> RecurrenceArgs:
-    c.tensor("state", state, dims=4, dtypes=STATE_DTYPES, last_contiguous=True)
-    num_slots, HV, V, K = state.shape
-    for what, size in (("HV", HV), ("V", V), ("K", K)):
-        c.size("state", size, what)
-    H = None
-    if records is not None:
-        rec = check_records(c, "records", *records, vector_decay=(kind == "kda"))
-        if (rec.HV, rec.V, rec.K) != (HV, V, K):
-            c.fail("state", f"has HV={HV}, V={V}, K={K}, but the records were allocated for "
-                            f"HV={rec.HV}, V={rec.V}, K={rec.K}")
-        H = rec.H
+    HV, V, K, rec = _state_and_records(c, kind, state, records)
+    H = rec.H if rec is not None else None
     c.tensor("q", q, dims=3, dtypes=FLOAT_DTYPES, last_contiguous=True)
     T = q.shape[0]
     if H is None:
@@ -220,19 +211,13 @@ def _recurrence_layout(c: Checker, kind: str, q, k, v, state, state_indices, que
     c.index("state_indices", state_indices)
     B = state_indices.shape[0]
     c.index("query_start_loc", query_start_loc, B + 1)
-    if records is not None and rec.max_batch < B:
+    if rec is not None and rec.max_batch < B:
         c.fail("records", f"have room for {rec.max_batch} rows, the batch has {B}")
     if snapshot_slots is not None:
         c.tensor("snapshot_slots", snapshot_slots, dims=2, dtypes=(torch.int32,), contiguous=True)
         c.tensor("snapshot_slots", snapshot_slots, shape=(B, None), why=" (one row per row of state_indices)")
     gates = _check_gates(c, kind, T, HV, K, a, b, A_log, dt_bias, g, beta, lower_bound)
-    if scale is None:
-        scale = K ** -0.5
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        c.fail("scale", f"must be a float, got {type(scale).__name__}", TypeError)
-    if not isinstance(use_qk_l2norm, bool):
-        c.fail("use_qk_l2norm", f"must be a bool, got {type(use_qk_l2norm).__name__}", TypeError)
-    null_slot = c.null_slot(null_slot)
+    scale = _check_scalars(c, K, scale, use_qk_l2norm, null_slot)
     c.tensor("out", out, dtypes=FLOAT_DTYPES, shape=(T, HV, V), last_contiguous=True, why=" (the shape of v)")
     written = [("out", out)]
     read = [("q", q), ("k", k), ("v", v), ("state_indices", state_indices), ("query_start_loc", query_start_loc),
@@ -245,6 +230,34 @@ def _recurrence_layout(c: Checker, kind: str, q, k, v, state, state_indices, que
         written.append(("state", state))
     c.writes(written, read)
     return RecurrenceArgs(gates, float(scale))
+
+
+def _state_and_records(c: Checker, kind: str, state, records) -> tuple:
+    """The state pool's ``(HV, V, K)``, and the records' sizes (``None`` without records), which
+    must agree with it."""
+    c.tensor("state", state, dims=4, dtypes=STATE_DTYPES, last_contiguous=True)
+    _, HV, V, K = state.shape
+    for what, size in (("HV", HV), ("V", V), ("K", K)):
+        c.size("state", size, what)
+    if records is None:
+        return HV, V, K, None
+    rec = check_records(c, "records", *records, vector_decay=(kind == "kda"))
+    if (rec.HV, rec.V, rec.K) != (HV, V, K):
+        c.fail("state", f"has HV={HV}, V={V}, K={K}, but the records were allocated for "
+                        f"HV={rec.HV}, V={rec.V}, K={rec.K}")
+    return HV, V, K, rec
+
+
+def _check_scalars(c: Checker, K: int, scale, use_qk_l2norm, null_slot) -> float:
+    """``scale`` (default ``K ** -0.5``), ``use_qk_l2norm`` and ``null_slot``; returns the scale."""
+    if scale is None:
+        scale = K ** -0.5
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        c.fail("scale", f"must be a float, got {type(scale).__name__}", TypeError)
+    if not isinstance(use_qk_l2norm, bool):
+        c.fail("use_qk_l2norm", f"must be a bool, got {type(use_qk_l2norm).__name__}", TypeError)
+    c.null_slot(null_slot)
+    return float(scale)
 
 
 def _recurrence_values(c: Checker, mode: str, state_indices, query_start_loc, snapshot_slots, num_slots: int,
@@ -277,12 +290,7 @@ def check_step_shapes(c: Checker, num_accepted, state_indices, query_start_loc, 
     usually share ``num_accepted``, ``query_start_loc`` and often their index tensors); they are
     skipped, and the ids of the tensors checked here are added."""
     checked = set() if checked is None else checked
-
-    def first_time(x) -> bool:
-        new = id(x) not in checked
-        checked.add(id(x))
-        return new
-
+    first_time = _first_time(checked)
     if first_time(num_accepted):
         c.index("num_accepted", num_accepted)
     num_requests = num_accepted.shape[0]
@@ -299,18 +307,33 @@ def check_step_shapes(c: Checker, num_accepted, state_indices, query_start_loc, 
         c.fail("num_computed_tokens" + suffix if block_table is not None else "block_table" + suffix,
                "is required in align mode: pass block_table and num_computed_tokens together")
     if block_table is not None:
-        if first_time(block_table):
-            c.tensor("block_table" + suffix, block_table, dims=2, dtypes=(torch.int32,), last_contiguous=True)
-        if block_table.shape[0] != num_requests:
-            c.fail("block_table" + suffix, f"has {block_table.shape[0]} rows, num_accepted has {num_requests} requests")
-        if block_table.shape[1] < 1:
-            c.fail("block_table" + suffix, "has no columns")
-        if first_time(num_computed_tokens):
-            c.index("num_computed_tokens" + suffix, num_computed_tokens, num_requests)
-        if block_size is None:
-            c.fail("block_size" + suffix, "is required in align mode")
-        block_size = c.integer("block_size" + suffix, block_size, minimum=1)
+        block_size = _check_align_shapes(c, block_table, num_computed_tokens, block_size, num_requests, suffix,
+                                         first_time)
     return B, block_size
+
+
+def _first_time(checked: set):
+    """A predicate: True the first time it sees a tensor (by id), recording it in ``checked``."""
+    def first_time(x) -> bool:
+        new = id(x) not in checked
+        checked.add(id(x))
+        return new
+    return first_time
+
+
+def _check_align_shapes(c: Checker, block_table, num_computed_tokens, block_size, num_requests: int, suffix: str,
+                        first_time) -> int:
+    if first_time(block_table):
+        c.tensor("block_table" + suffix, block_table, dims=2, dtypes=(torch.int32,), last_contiguous=True)
+    if block_table.shape[0] != num_requests:
+        c.fail("block_table" + suffix, f"has {block_table.shape[0]} rows, num_accepted has {num_requests} requests")
+    if block_table.shape[1] < 1:
+        c.fail("block_table" + suffix, "has no columns")
+    if first_time(num_computed_tokens):
+        c.index("num_computed_tokens" + suffix, num_computed_tokens, num_requests)
+    if block_size is None:
+        c.fail("block_size" + suffix, "is required in align mode")
+    return c.integer("block_size" + suffix, block_size, minimum=1)
 
 
 def check_step_values(c: Checker, num_accepted, state_indices, query_start_loc, request_indices,
@@ -320,21 +343,12 @@ def check_step_values(c: Checker, num_accepted, state_indices, query_start_loc, 
     request rows, ``num_accepted`` within each live row's window, ``num_computed_tokens >= 0``,
     the final block within the table's width; and no two rows writing one slot, or writing a
     slot another row reads (that would race on a GPU)."""
-    num_requests = num_accepted.shape[0]
     qsl = c.query_start_loc("query_start_loc", query_start_loc, INT32_MAX, max_len)
     c.slots_in_range("state_indices" + suffix, state_indices, num_slots, null_slot)
     srcs = state_indices.tolist()
-    req = request_indices.tolist() if request_indices is not None else list(range(len(srcs)))
-    if request_indices is not None:
-        for r, q in enumerate(req):
-            if not is_request(q, num_requests):
-                c.fail("request_indices" + suffix, f"entry {r} = {q} is not a request row in [0, {num_requests})")
+    req = _request_rows(c, request_indices, len(srcs), num_accepted.shape[0], suffix)
     accepted = num_accepted.tolist()
-    for r, src in enumerate(srcs):
-        length = qsl[r + 1] - qsl[r]
-        if src > null_slot and not 0 <= accepted[req[r]] <= length:
-            c.fail("num_accepted", f"entry {req[r]} = {accepted[req[r]]} is outside [0, {length}], "
-                                   f"the window of batch row {r}" + (f" of group{suffix}" if suffix else ""))
+    _accepted_in_windows(c, accepted, srcs, req, qsl, null_slot, suffix)
     nct = None
     if num_computed_tokens is not None:
         nct = num_computed_tokens.tolist()
@@ -346,16 +360,34 @@ def check_step_values(c: Checker, num_accepted, state_indices, query_start_loc, 
     plan = plan_rows(accepted, srcs, qsl, req if request_indices is not None else None,
                      None if block_table is None else block_table.tolist(), nct,
                      block_size or 1, null_slot, INT32_MAX)
-    writes = []
-    for r, (n, final, boundary, _) in enumerate(plan):
-        for what, slot in (("final", final), ("boundary", boundary)):
-            if slot > null_slot:
-                if slot >= num_slots:
-                    c.fail("block_table" + suffix, f"gives row {r} the {what} slot {slot}, outside [0, {num_slots})")
-                writes.append((r, slot))
+    # every slot the plan writes is a slot here: sources were checked above, block entries by
+    # _block_entries
+    writes = [(r, slot) for r, (_, final, boundary, _) in enumerate(plan) for slot in (final, boundary)
+              if slot > null_slot]
     live_sources = [(r, srcs[r]) for r, p in enumerate(plan) if p[0] > 0]
     c.distinct_writes("block_table" + suffix if block_table is not None else "state_indices" + suffix,
                       writes, live_sources)
+
+
+def _request_rows(c: Checker, request_indices, B: int, num_requests: int, suffix: str) -> list[int]:
+    """Each batch row's request row (``request_indices``, else the row itself), each a request."""
+    if request_indices is None:
+        return list(range(B))
+    req = request_indices.tolist()
+    for r, q in enumerate(req):
+        if not is_request(q, num_requests):
+            c.fail("request_indices" + suffix, f"entry {r} = {q} is not a request row in [0, {num_requests})")
+    return req
+
+
+def _accepted_in_windows(c: Checker, accepted: list, srcs: list, req: list, qsl: list, null_slot: int,
+                         suffix: str) -> None:
+    """Each live row's ``num_accepted`` lies in ``[0, len]`` of its window."""
+    for r, src in enumerate(srcs):
+        length = qsl[r + 1] - qsl[r]
+        if src > null_slot and not 0 <= accepted[req[r]] <= length:
+            c.fail("num_accepted", f"entry {req[r]} = {accepted[req[r]]} is outside [0, {length}], "
+                                   f"the window of batch row {r}" + (f" of group{suffix}" if suffix else ""))
 
 
 def _block_entries(c: Checker, table: list, srcs: list, accepted: list, qsl: list, req: list, nct: list,
@@ -461,8 +493,9 @@ def _check_layer(c: Checker, where: str, layer: LayerTensors, max_batch: int, ca
         c.fail(f"{where}.conv_state", f"has {slots} slots, {where}.state has {layer.state.shape[0]}")
     width = layer.conv_width
     if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        exc = TypeError if not isinstance(width, int) else ValueError
         c.fail(f"{where}.conv_width", f"must be the conv kernel's width (an int >= 1) when a conv_state "
-                                      f"is given, got {width!r}", TypeError if not isinstance(width, int) else ValueError)
+                                      f"is given, got {width!r}", exc)
     if cols < width - 1 + rec.max_window:
         c.fail(f"{where}.conv_state", f"has {cols} columns, fewer than the {width - 1} history columns of a "
                                       f"width-{width} conv plus the records' window of {rec.max_window}")

@@ -17,7 +17,6 @@ from .api import BackendArg, check_int, check_types
 from .arguments import LayerTensors, check_layers, check_step_shapes, check_step_values, layer_names
 from .backend import Backend, CommitLayer, Committer, GroupStep
 from .ops import backend_for, op, resolve_name
-from .registry import registry
 from .types import CommitPlan, LayerCache, ReplayRecords
 from .validation import Checker, wants_value_checks
 

@@ -1,4 +1,4 @@
-"""The commit plan rules (contract section 4), one row at a time, on host lists.
+"""The commit plan rules, one row at a time, on host lists.
 
 This is the plan written as plainly as possible. The ``cpu_ref`` backend commits with it,
 validation uses it to find the slots a commit would write, and every other backend's plan (the
@@ -22,7 +22,8 @@ def plan_rows(num_accepted: list[int], state_indices: list[int], qsl: list[int],
     Whatever the values (the index rule, ``core/indices.py``): a slot that is not a slot is
     null, so a row whose source or final slot is not one writes nothing; so does a row whose
     request index is not a request or whose ``num_computed_tokens`` is negative; the commit
-    length is clamped to ``[0, min(len, max_len)]`` (``max_len``: the records' window) and the final block column to the table's width.
+    length is clamped to ``[0, min(len, max_len)]`` (``max_len``: the records' window) and the
+    final block column to the table's width.
     Validation rejects such values before this on CPU (and on GPU with ``check=True``); the
     kernels follow these same rules, in 64-bit arithmetic where Python's integers are exact.
     """

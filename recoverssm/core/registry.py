@@ -139,7 +139,8 @@ class Registry:
             torch.device(device).type if device is not None else None)
         if self._backends is None:
             self.backends()
-        key = (backend if not isinstance(backend, Backend) else id(backend), dev_type, _read_environment(self._environment))
+        key = (backend if not isinstance(backend, Backend) else id(backend), dev_type,
+               _read_environment(self._environment))
         hit = self._resolved.get(key)
         if hit is not None and (not isinstance(backend, Backend) or hit[0] is backend):
             return hit

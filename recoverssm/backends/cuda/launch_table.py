@@ -3,14 +3,17 @@
 Why each entry (measurements in docs/BENCHMARKS.md; ``benchmarks/tune_verify.py`` and
 ``benchmarks/tune_commit.py`` sweep them through ``backends/triton/tuning.py``):
 
-| entry | value | why |
-|---|---|---|
-| recurrence tile | 8 lanes along K, 8 rows per thread, 1 warp | 128 state values per thread spread each token's fixed work; 3 shuffle steps per reduction |
-| small grids | < 792 programs: 4 rows per thread, 168 registers | twice the programs still fit one wave (132 SMs x 12 / 2); N = 1 about 12% faster |
-| PTX widening of bf16 inputs | fp32 states only | 5% fewer instructions per token (verify N=64, T=4, HV=48: 91.1 -> 88.6 us); over bf16 states the tile spilled |
-| L2 hints in the recurrence | on | verify N=64, T=4: 88.5 -> 84.8 us (HV=48), 64.8 -> 60.7 us (HV=32) |
-| commit, fp32 states | 32 V rows, 1 warp, 1 tile per program, record prefetch | at copy bandwidth (0.92x); fewer programs in flight only lose |
-| commit, bf16 states | 16 V rows, 1 warp, 128 registers, 2 tiles per program, next tile hinted, record pairs | 0.904x -> 0.931x copy at 64 requests; 0.863x -> 0.905x at 8 |
+* recurrence tile: 8 lanes along K, 8 rows per thread, 1 warp. 128 state values per thread
+  spread each token's fixed work; 3 shuffle steps per reduction.
+* small grids (< 792 programs): 4 rows per thread, 168 registers. Twice the programs still fit
+  one wave (132 SMs x 12 / 2); N = 1 about 12% faster.
+* PTX widening of bf16 inputs, over fp32 states only: 5% fewer instructions per token (verify
+  N=64, T=4, HV=48: 91.1 -> 88.6 us); over bf16 states the tile spilled.
+* L2 hints in the recurrence: verify N=64, T=4: 88.5 -> 84.8 us (HV=48), 64.8 -> 60.7 us (HV=32).
+* commit, fp32 states: 32 V rows, 1 warp, 1 tile per program, record prefetch. At copy bandwidth
+  (0.92x); fewer programs in flight only lose.
+* commit, bf16 states: 16 V rows, 1 warp, 128 registers, 2 tiles per program, next tile hinted,
+  record pairs. 0.904x -> 0.931x copy at 64 requests; 0.863x -> 0.905x at 8.
 """
 import torch
 

@@ -61,7 +61,8 @@ class TritonBackend(Backend):
     def kernels(self) -> dict[str, str]:
         where = "Triton's CPU interpreter" if interpreting() else "compiled Triton kernels"
         return {"conv_verify, conv_decode": f"triton/conv.py ({where})",
-                "gdn_*, kda_* (verify, decode, snapshot)": f"triton/recurrence.py, one binary for the three modes ({where})",
+                "gdn_*, kda_* (verify, decode, snapshot)":
+                    f"triton/recurrence.py, one binary for the three modes ({where})",
                 "plan_commit, commit": f"triton/commit.py ({where})"}
 
     def conv_verify(self, x, conv_state, weight, bias, state_indices, query_start_loc, silu,

@@ -84,7 +84,8 @@ class DirectLauncher:
         if key is not None and compiled is not None and not hasattr(compiled, "result"):
             self.compiled[key] = compiled
 
-    def bind(self, grid: Sequence[int], args: Sequence, constexprs: dict, options: dict) -> Optional[Callable[[], None]]:
+    def bind(self, grid: Sequence[int], args: Sequence, constexprs: dict,
+             options: dict) -> Optional[Callable[[], None]]:
         """A launch of these very arguments, to repeat with no per-call work but reading the
         current stream: pointers become plain addresses (so Triton's launcher neither looks up
         ``data_ptr`` nor asks the driver about each pointer) and the binary is the one

@@ -12,10 +12,11 @@ commit of them is bit-identical.
 along V (the dimension order makes Triton's default layout put the lanes exactly there, and
 ``k``/``q`` share it: they are loaded broadcast over ``ROW_LANES``, ``offs_k``), and every thread
 keeps ``ROWS x K_CHUNKS`` groups of 4 K-contiguous elements; with the chunks last, a row's
-elements in one thread are adjacent in-thread axes, which ``dot_over_k`` merges into one. The launch table chooses the split
-(``RecurrenceSpec.lanes_k``, ``.rows``). On the H200 the best is 8 lanes along K and 8 rows per thread:
-128 state elements per thread, so each token's fixed work (loading and normalizing ``k`` and
-``q``, the gates, 3 shuffle steps per reduction) is spread over many elements; with 16 lanes
+elements in one thread are adjacent in-thread axes, which ``dot_over_k`` merges into one. The
+launch table chooses the split (``RecurrenceSpec.lanes_k``, ``.rows``). On the H200 the best is
+8 lanes along K and 8 rows per thread: 128 state elements per thread, so each token's fixed work
+(loading and normalizing ``k`` and ``q``, the gates, 3 shuffle steps per reduction) is spread
+over many elements; with 16 lanes
 along K (the most ``launch.recurrence_tile`` allows) the two reductions need 4 shuffle steps for
 every row a thread holds (docs/BENCHMARKS.md).
 
@@ -154,7 +155,8 @@ def delta_rule_step(S, k_hat, q_hat, v, beta, decay):
     """One token of the gated delta rule on a ``[ROW_LANES, R, K_INNER, K_CHUNKS]`` fp32 tile.
 
     ``k_hat``, ``q_hat``: ``[ROW_LANES, 1, K_INNER, K_CHUNKS]``; ``v``: ``[ROW_LANES, R]``;
-    ``beta``: a scalar; ``decay``: a scalar (GDN) or laid out like ``k_hat`` (KDA). Returns the new tile, the correction ``c_t`` ``[ROW_LANES, R]``
+    ``beta``: a scalar; ``decay``: a scalar (GDN) or laid out like ``k_hat`` (KDA). Returns the new
+    tile, the correction ``c_t`` ``[ROW_LANES, R]``
     (the replay record) and the output.
 
     The output uses ``S_new q = S' q + c (k . q)``: both reductions then read ``S'`` and run side
@@ -224,6 +226,27 @@ def prepare_token(k_t, q_t, v_t, a_t, b_t, gate_scale, dt_bias, scale, lower_bou
             decay = tl.exp(gate_scale * softplus(a_t + dt_bias))
         beta = sigmoid(b_t)
     return k_hat, q_hat, to_fp32(v_t, PTX_WIDEN_BF16), decay, beta
+
+
+@triton.jit
+def store_records(corr_ptr, key_ptr, decay_ptr, row64, i_v, hv, h, t, max_window, correction, k_hat, decay,
+                  offs_v, mask_v, offs_k, mask_k, chunk, lane_v, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                  V: tl.constexpr, ROW_LANES: tl.constexpr, EXACT_V: tl.constexpr, VECTOR_DECAY: tl.constexpr):
+    """Verify's replay record of window position ``t``, by batch row: the program's rows of the
+    correction; the decay (a scalar, or KDA's K-vector) from the first V tile of each value head;
+    the key from the first V tile of the first value head of each q/k head."""
+    rec = (row64 * HV + hv) * max_window + t
+    store_masked(corr_ptr + rec * V + offs_v, correction, mask_v, EXACT_V)
+    if i_v == 0:
+        # every lane group holds the whole key: lane group j writes chunks j, j + RL, ...
+        writer = (chunk[None, None, None, :] % ROW_LANES) == lane_v[:, None, None, None]
+        if VECTOR_DECAY:
+            tl.store(decay_ptr + rec * K + offs_k, decay, mask=mask_k & writer)
+        else:
+            tl.store(decay_ptr + rec, decay)
+        if hv % (HV // H) == 0:
+            key_rec = (row64 * H + h) * max_window + t
+            tl.store(key_ptr + key_rec * K + offs_k, k_hat, mask=mask_k & writer)
 
 
 # Everything that may differ between a verify call and the native call it must match (token
@@ -326,19 +349,10 @@ def recurrence_kernel(
             tok = (start + t).to(tl.int64)
             store_masked(out_ptr + tok * stride_o_t + hv * stride_o_h + offs_v,
                          to_storage(o_t, out_ptr.dtype.element_ty, INTERPRETED), mask_v, EXACT_V)
-            if mode == MODE_VERIFY:  # replay records, by batch row and window position
-                rec = (row64 * HV + hv) * max_window + t
-                store_masked(corr_ptr + rec * V + offs_v, correction, mask_v, EXACT_V)
-                if i_v == 0:
-                    # every lane group holds the whole key: lane group j writes chunks j, j + RL, ...
-                    writer = (chunk[None, None, None, :] % ROW_LANES) == lane_v[:, None, None, None]
-                    if VECTOR_DECAY:
-                        tl.store(decay_ptr + rec * K + offs_k, decay, mask=mask_k & writer)
-                    else:
-                        tl.store(decay_ptr + rec, decay)
-                    if hv % (HV // H) == 0:   # one program per q/k head writes its key
-                        key_rec = (row64 * H + h) * max_window + t
-                        tl.store(key_ptr + key_rec * K + offs_k, k_hat, mask=mask_k & writer)
+            if mode == MODE_VERIFY:
+                store_records(corr_ptr, key_ptr, decay_ptr, row64, i_v, hv, h, t, max_window, correction, k_hat,
+                              decay, offs_v, mask_v, offs_k, mask_k, chunk, lane_v, H, HV, K, V, ROW_LANES,
+                              EXACT_V, VECTOR_DECAY)
             # State stores, both from inside the loop: the snapshot after every position, and
             # native decode's final state after the last one (into the row's own slot). Keeping
             # decode's store in the loop, behind a per-token slot index, spares the registers

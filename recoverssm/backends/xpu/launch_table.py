@@ -1,12 +1,10 @@
 """The xpu backend's launch table. NOT TUNED ON HARDWARE: no Intel GPU was available.
 
-| entry | value | why |
-|---|---|---|
-| recurrence tile | 8 lanes along K, 1 row per thread, 4 warps | a small fp32 tile per thread, so the state does not spill Intel's register file |
-| commit | 16 V rows, 4 warps | the same reason |
-| conv | 64 channels, 4 warps | |
-| compile option | `grf_mode="large"` | the large register file mode Intel's Triton backend accepts |
-| PTX switches (widening, L2 hints, prefetch) | off | PTX is NVIDIA-only |
+* recurrence tile: 8 lanes along K, 1 row per thread, 4 warps: a small fp32 tile per thread, so
+  the state does not spill Intel's register file.
+* commit: 16 V rows, 4 warps, for the same reason; conv: 64 channels, 4 warps.
+* compile option ``grf_mode="large"``: the large register file mode Intel's Triton backend accepts.
+* PTX switches (widening, L2 hints, prefetch): off; PTX is NVIDIA-only.
 
 Change this table, not the kernels, when tuning on a real part.
 """
