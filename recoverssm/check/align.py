@@ -1,5 +1,5 @@
-"""Check of an align-mode grouped commit: conv + GDN layers in two KV-cache groups, verified and
-committed as an engine runs them, against cpu_ref and against the backend's own decode."""
+"""Check of an align-mode grouped commit: conv + GDN or KDA layers in two KV-cache groups, verified
+and committed as an engine runs them, against cpu_ref and against the backend's own decode."""
 from __future__ import annotations
 
 import random
@@ -10,14 +10,14 @@ import torch
 import recoverssm as rs
 
 from .problems import AlignCase, align_layers, i32, prefix, query_start_loc, random_align_step
+from .recurrence import OPS
 from .report import REF, TOL, Report
 
 PLAN_FIELDS = ("commit_len", "final_slot", "boundary_slot", "boundary_len")
-CAPABILITIES = ("conv_verify", "gdn", "plan_commit", "commit")
 
 
 class AlignRun:
-    """One verify (conv + GDN per layer) and one grouped align-mode commit on a backend."""
+    """One verify (conv + recurrence per layer) and one grouped align-mode commit on a backend."""
 
     def __init__(self, case: AlignCase, meta: dict, weights: list[dict], pools: list[dict],
                  backend: str, device: torch.device):
@@ -34,8 +34,8 @@ class AlignRun:
         self.nct = i32(meta["num_computed_tokens"], d)
         self.na = i32(meta["num_accepted"], d)
         self.ri = [i32(meta["request_of"], d)] * G if meta["permute"] else None
-        self.records = [rs.ReplayRecords.allocate(case.B, case.T, case.H, case.HV, case.K, case.V, device=d)
-                        for _ in range(case.layers)]
+        self.records = [case.records(d) for _ in range(case.layers)]
+        self.ops = OPS[case.kind]
         self.tokens: list[dict] = []
 
     def group(self, layer: int) -> int:
@@ -44,6 +44,7 @@ class AlignRun:
     def verify(self) -> None:
         c = self.case
         hk, conv_dim = c.H * c.K, c.conv_dim
+        b0 = conv_dim + c.gate_width
         for layer, w in enumerate(self.weights):
             g = self.group(layer)
             proj = w["proj"]
@@ -51,10 +52,10 @@ class AlignRun:
                                state_indices=self.si[g], query_start_loc=self.qsl, backend=self.backend)
             tok = {"q": y[:, :hk].unflatten(-1, (c.H, c.K)), "k": y[:, hk:2 * hk].unflatten(-1, (c.H, c.K)),
                    "v": y[:, 2 * hk:].unflatten(-1, (c.HV, c.V)),
-                   "a": proj[:, conv_dim:conv_dim + c.HV], "b": proj[:, conv_dim + c.HV:conv_dim + 2 * c.HV]}
-            rs.gdn_verify(**tok, A_log=w["A_log"], dt_bias=w["dt_bias"], state=self.state[layer],
-                          state_indices=self.si[g], query_start_loc=self.qsl, records=self.records[layer],
-                          backend=self.backend)
+                   "a": proj[:, conv_dim:b0].unflatten(-1, c.gate_shape), "b": proj[:, b0:b0 + c.HV]}
+            self.ops["verify"](**tok, A_log=w["A_log"], dt_bias=w["dt_bias"], state=self.state[layer],
+                               state_indices=self.si[g], query_start_loc=self.qsl, records=self.records[layer],
+                               backend=self.backend, **c.op_kwargs())
             self.tokens.append(tok)
 
     def plans(self) -> list[rs.CommitPlan]:
@@ -81,9 +82,9 @@ class AlignRun:
         w = self.weights[layer]
         tok, qsl = prefix(self.tokens[layer], self.qsl_host, counts)
         state = state_before.to(self.device).clone()
-        rs.gdn_decode(**tok, A_log=w["A_log"], dt_bias=w["dt_bias"], state=state,
-                      state_indices=self.si[self.group(layer)], query_start_loc=i32(qsl, self.device),
-                      backend=self.backend)
+        self.ops["decode"](**tok, A_log=w["A_log"], dt_bias=w["dt_bias"], state=state,
+                           state_indices=self.si[self.group(layer)], query_start_loc=i32(qsl, self.device),
+                           backend=self.backend, **self.case.op_kwargs())
         return state
 
 
@@ -130,7 +131,7 @@ def check_align(report: Report, case: AlignCase, backend, device: torch.device, 
                 rng: random.Random) -> None:
     """One align-mode step: plans and committed states against cpu_ref, and against own decode."""
     label = case.label
-    missing = [c for c in CAPABILITIES if c not in backend.capabilities]
+    missing = [c for c in case.capabilities() if c not in backend.capabilities]
     if case.state_dtype == torch.bfloat16 and "bf16_state" not in backend.capabilities:
         missing.append("bf16_state")
     if missing:
@@ -143,7 +144,7 @@ def check_align(report: Report, case: AlignCase, backend, device: torch.device, 
     try:
         ref = AlignRun(case, meta, weights, pools, REF, torch.device("cpu"))
         dut = AlignRun(case, meta, weights, pools, backend.name, device)
-        phase = "conv_verify + gdn_verify"
+        phase = f"conv_verify + {case.kind}_verify"
         for run in (ref, dut):
             run.verify()
         phase = "plan_commit"

@@ -2,12 +2,15 @@
 from the run's generators and copied to the device under test by the checkers."""
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+
+import recoverssm as rs
 
 from .report import dtype_name
 
@@ -48,17 +51,56 @@ class _Rows:
 
 
 # ------------------------------------------------------------------------------------------------
-# GDN ops: verify, decode, snapshot, non-align commit
+# the recurrences (GDN, KDA): verify, decode, snapshot, non-align commit
 # ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class GdnCase(_Rows):
-    """A batch of windows for one GDN layer. ``lengths[r]``: tokens of row ``r`` (0 allowed);
-    ``pad_rows``: rows whose ``state_indices`` is the null slot."""
+class _Heads(_Rows):
+    """The heads of one recurrent layer of ``kind`` ``"gdn"`` (a decay per value head) or ``"kda"``
+    (a decay per K channel); ``lower_bound``: KDA's bounded gate."""
 
+    kind: str = "gdn"
     H: int = 2
     HV: int = 4
     K: int = 16
     V: int = 16
+    lower_bound: Optional[float] = None
+
+    @property
+    def gate_shape(self) -> tuple[int, ...]:
+        """One token's gate input ``a`` and gate ``g`` (and ``dt_bias``): ``[HV]`` or ``[HV, K]``."""
+        return (self.HV,) if self.kind == "gdn" else (self.HV, self.K)
+
+    @property
+    def gate_width(self) -> int:
+        return math.prod(self.gate_shape)
+
+    @property
+    def vector_decay(self) -> bool:
+        return self.kind == "kda"
+
+    def capabilities(self) -> tuple[str, ...]:
+        """What a backend must declare to run this layer's recurrence and commit it."""
+        return (self.kind, "commit") + (("vector_decay",) if self.vector_decay else ())
+
+    def op_kwargs(self) -> dict:
+        """The recurrent ops' keyword arguments of this kind beyond the tensors (KDA's ``lower_bound``)."""
+        return {} if self.kind == "gdn" else {"lower_bound": self.lower_bound}
+
+    def heads_label(self) -> str:
+        lb = "" if self.lower_bound is None else f" lb{self.lower_bound:g}"
+        return f"{self.kind}{lb} H{self.H}/{self.HV} K{self.K} V{self.V}"
+
+    def records(self, device) -> rs.ReplayRecords:
+        """A records workspace for ``B`` rows of ``T`` tokens of this layer."""
+        return rs.ReplayRecords.allocate(self.B, self.T, self.H, self.HV, self.K, self.V, device=device,
+                                         vector_decay=self.vector_decay)
+
+
+@dataclass(frozen=True)
+class RecurrenceCase(_Heads):
+    """A batch of windows for one GDN or KDA layer. ``lengths[r]``: tokens of row ``r`` (0 allowed);
+    ``pad_rows``: rows whose ``state_indices`` is the null slot."""
+
     pad_rows: tuple[int, ...] = ()
     state_dtype: torch.dtype = torch.float32
     act_dtype: torch.dtype = torch.float32
@@ -74,24 +116,24 @@ class GdnCase(_Rows):
         if self.pad_rows:
             extra.append("pad")
         lens = ",".join(map(str, self.lengths))
-        return f"gdn B{self.B} T[{lens}] H{self.H}/{self.HV} K{self.K} V{self.V} " + " ".join(extra)
+        return f"{self.heads_label()} B{self.B} T[{lens}] " + " ".join(extra)
 
 
-class GdnProblem:
-    """Inputs of a :class:`GdnCase`. q/k/v/a/b are strided views of one fused buffer (as an
+class RecurrenceProblem:
+    """Inputs of a :class:`RecurrenceCase`. q/k/v/a/b are strided views of one fused buffer (as an
     engine's in-projection gives them), re-sliced after the buffer is copied to a device."""
 
-    def __init__(self, case: GdnCase, gen: torch.Generator):
+    def __init__(self, case: RecurrenceCase, gen: torch.Generator):
         c = self.case = case
         self.T_total = sum(c.lengths)
-        self.width = 2 * c.H * c.K + c.HV * c.V + 2 * c.HV + 3      # +3: odd row stride
+        self.width = 2 * c.H * c.K + c.HV * c.V + c.gate_width + c.HV + 3      # +3: odd row stride
         fused = torch.randn(self.T_total, self.width, generator=gen)
         if not c.l2norm:   # keep the raw delta rule stable: |k|^2 * beta < 2
             fused[:, c.H * c.K:2 * c.H * c.K] *= 0.5 / c.K ** 0.5
         self.fused = fused.to(c.act_dtype)
         self.A_log = torch.log(0.5 + 7.5 * torch.rand(c.HV, generator=gen))
-        self.dt_bias = torch.randn(c.HV, generator=gen) * 0.5
-        self.g = -F.softplus(torch.randn(self.T_total, c.HV, generator=gen)) * 0.5
+        self.dt_bias = torch.randn(*c.gate_shape, generator=gen) * 0.5
+        self.g = -F.softplus(torch.randn(self.T_total, *c.gate_shape, generator=gen)) * 0.5
         self.beta = torch.sigmoid(torch.randn(self.T_total, c.HV, generator=gen))
         self.num_slots = c.B * (c.T + 1) + 2
         self.state = (torch.randn(self.num_slots, c.HV, c.V, c.K, generator=gen) * 0.3).to(c.state_dtype)
@@ -116,7 +158,8 @@ class GdnProblem:
         x = {"q": f[:, :hk].unflatten(-1, (c.H, c.K)), "k": f[:, hk:2 * hk].unflatten(-1, (c.H, c.K)),
              "v": f[:, 2 * hk:o].unflatten(-1, (c.HV, c.V))}
         if c.gates == "raw":
-            x.update(a=f[:, o:o + c.HV], b=f[:, o + c.HV:o + 2 * c.HV])
+            b0 = o + c.gate_width
+            x.update(a=f[:, o:b0].unflatten(-1, c.gate_shape), b=f[:, b0:b0 + c.HV])
         else:
             x.update(g=self.g.to(device), beta=self.beta.to(device))
         return x
@@ -128,26 +171,51 @@ class GdnProblem:
 
 
 # ------------------------------------------------------------------------------------------------
-# conv_verify
+# conv_verify, conv_decode
 # ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ConvCase(_Rows):
-    """Windows of a causal conv layer of ``dim`` channels."""
+    """Windows of a causal conv layer of ``dim`` channels; the conv state pool in ``state_dtype``
+    (None: ``act_dtype``)."""
 
     dim: int = 96
     width: int = 4
     pad_rows: tuple[int, ...] = ()
     act_dtype: torch.dtype = torch.float32
+    state_dtype: Optional[torch.dtype] = None
     silu: bool = True
     bias: bool = True
 
     @property
-    def label(self) -> str:
-        lens = ",".join(map(str, self.lengths))
+    def pool_dtype(self) -> torch.dtype:
+        return self.state_dtype or self.act_dtype
+
+    def _extra(self) -> str:
         extra = [dtype_name(self.act_dtype), "silu" if self.silu else "no act", "bias" if self.bias else "no bias"]
+        if self.pool_dtype != self.act_dtype:
+            extra.append(f"state {dtype_name(self.pool_dtype)}")
         if self.pad_rows:
             extra.append("pad")
-        return f"conv B{len(self.lengths)} T[{lens}] dim{self.dim} width{self.width} " + " ".join(extra)
+        return " ".join(extra)
+
+    @property
+    def label(self) -> str:
+        lens = ",".join(map(str, self.lengths))
+        return f"conv B{len(self.lengths)} T[{lens}] dim{self.dim} width{self.width} " + self._extra()
+
+
+@dataclass(frozen=True)
+class ConvDecodeCase(ConvCase):
+    """``conv_decode`` of the same tokens: every row decodes its window one token per call (all
+    rows the same length, one token each per call)."""
+
+    def __post_init__(self):
+        if len(set(self.lengths)) > 1:
+            raise ValueError(f"ConvDecodeCase: every row decodes as many tokens, got {self.lengths}")
+
+    @property
+    def label(self) -> str:
+        return (f"conv_decode B{self.B} x{self.T} tokens dim{self.dim} width{self.width} " + self._extra())
 
 
 class ConvProblem:
@@ -161,26 +229,22 @@ class ConvProblem:
         self.weight = torch.randn(case.dim, case.width, generator=gen).to(case.act_dtype)
         self.bias = torch.randn(case.dim, generator=gen).to(case.act_dtype) if case.bias else None
         num_slots = B + 2
-        self.pool = torch.randn(num_slots, case.dim, hist + case.T, generator=gen).to(case.act_dtype)
+        self.pool = torch.randn(num_slots, case.dim, hist + case.T, generator=gen).to(case.pool_dtype)
         slots = torch.randperm(num_slots, generator=gen).tolist()
         self.sources = [-1 if r in case.pad_rows else slots[r] for r in range(B)]
         self.qsl = query_start_loc(case.lengths)
 
 
 # ------------------------------------------------------------------------------------------------
-# align-mode grouped commit: conv + GDN layers in two KV-cache groups, as an engine runs them
+# align-mode grouped commit: conv + GDN or KDA layers in two KV-cache groups, as an engine runs them
 # ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class AlignCase(_Rows):
+class AlignCase(_Heads):
     """``lengths[r]``: window of batch row ``r``; row ``r`` serves request ``request_of[r]`` (all
     requests, permuted, when ``permute``). Layer ``l`` belongs to group ``l % 2``."""
 
     block_sizes: tuple[int, int] = (4, 3)
     layers: int = 3
-    H: int = 2
-    HV: int = 4
-    K: int = 16
-    V: int = 16
     conv_width: int = 4
     state_dtype: torch.dtype = torch.float32
     permute: bool = False
@@ -195,8 +259,10 @@ class AlignCase(_Rows):
             extra.append("request_indices")
         if self.pad_row:
             extra.append("pad")
-        return (f"align {self.layers}L/2G B{self.B} T[{lens}] H{self.H}/{self.HV} K{self.K} V{self.V} "
-                + " ".join(extra))
+        return f"align {self.layers}L/2G {self.heads_label()} B{self.B} T[{lens}] " + " ".join(extra)
+
+    def capabilities(self) -> tuple[str, ...]:
+        return ("conv_verify", "plan_commit") + super().capabilities()
 
     @property
     def conv_dim(self) -> int:
@@ -252,11 +318,11 @@ def align_layers(case: AlignCase, meta: dict, gen: torch.Generator) -> tuple[lis
     for layer in range(c.layers):
         num_slots = meta["groups"][layer % 2]["num_slots"]
         weights.append({
-            "proj": torch.randn(T_total, c.conv_dim + 2 * c.HV + 1, generator=gen),
+            "proj": torch.randn(T_total, c.conv_dim + c.gate_width + c.HV + 1, generator=gen),
             "conv_w": torch.randn(c.conv_dim, c.conv_width, generator=gen) * 0.5,
             "conv_b": torch.randn(c.conv_dim, generator=gen) * 0.1,
             "A_log": torch.log(0.5 + 7.5 * torch.rand(c.HV, generator=gen)),
-            "dt_bias": torch.randn(c.HV, generator=gen) * 0.5,
+            "dt_bias": torch.randn(*c.gate_shape, generator=gen) * 0.5,
         })
         pools.append({
             "state": (torch.randn(num_slots, c.HV, c.V, c.K, generator=gen) * 0.3).to(c.state_dtype),

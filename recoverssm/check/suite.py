@@ -9,43 +9,56 @@ import torch
 from recoverssm.core.registry import registry
 
 from .align import check_align
-from .conv import check_conv
-from .gdn import check_gdn
+from .conv import check_conv, check_conv_decode
 from .plans import check_plans
-from .problems import AlignCase, ConvCase, GdnCase, PlanCase
+from .problems import AlignCase, ConvCase, ConvDecodeCase, PlanCase, RecurrenceCase
+from .recurrence import check_recurrence
 from .report import Report
 
-Case = Union[GdnCase, ConvCase, AlignCase, PlanCase]
+Case = Union[RecurrenceCase, ConvCase, ConvDecodeCase, AlignCase, PlanCase]
 
 #: the checker of each kind of case; each takes ``(report, case, backend, device, gen, rng)``
-CHECKERS = {GdnCase: check_gdn, ConvCase: check_conv, AlignCase: check_align, PlanCase: check_plans}
+CHECKERS = {RecurrenceCase: check_recurrence, ConvCase: check_conv, ConvDecodeCase: check_conv_decode,
+            AlignCase: check_align, PlanCase: check_plans}
 
 
 def cases(device: torch.device) -> list[Case]:
     """Small shapes everywhere (the Triton interpreter runs these on CPU); larger ones on a GPU."""
     bf16 = torch.bfloat16
     suite = [
-        GdnCase(lengths=(4, 3, 0, 4), pad_rows=(3,)),
-        GdnCase(lengths=(3, 1, 2), H=1, HV=2, K=16, V=8, gates="pre", l2norm=False),
-        GdnCase(lengths=(4, 2), state_dtype=bf16),
-        GdnCase(lengths=(2, 1, 2, 2), H=2, HV=2, K=8, V=16, act_dtype=bf16),
+        RecurrenceCase(lengths=(4, 3, 0, 4), pad_rows=(3,)),
+        RecurrenceCase(lengths=(3, 1, 2), H=1, HV=2, K=16, V=8, gates="pre", l2norm=False),
+        RecurrenceCase(lengths=(4, 2), state_dtype=bf16),
+        RecurrenceCase(lengths=(2, 1, 2, 2), H=2, HV=2, K=8, V=16, act_dtype=bf16),
+        RecurrenceCase(kind="kda", lengths=(4, 3, 0, 4), pad_rows=(3,), H=2, HV=4, K=16, V=8),
+        RecurrenceCase(kind="kda", lengths=(3, 1, 2), H=2, HV=2, K=16, V=16, state_dtype=bf16, lower_bound=-5.0),
+        RecurrenceCase(kind="kda", lengths=(2, 3), H=1, HV=2, K=8, V=16, gates="pre", l2norm=False),
         ConvCase(lengths=(4, 0, 3, 2), pad_rows=(3,)),
         ConvCase(lengths=(1, 4), dim=40, width=2, silu=False, bias=False),
         ConvCase(lengths=(3, 3), dim=64, act_dtype=bf16),
+        ConvDecodeCase(lengths=(3,) * 4, pad_rows=(2,)),
+        ConvDecodeCase(lengths=(2,) * 3, dim=40, width=2, state_dtype=bf16, silu=False, bias=False),
         AlignCase(lengths=(4, 4, 3, 4)),
         AlignCase(lengths=(4, 2, 4), block_sizes=(2, 5), permute=True, pad_row=True),
         AlignCase(lengths=(3, 4), state_dtype=bf16, block_sizes=(3, 4)),
+        AlignCase(kind="kda", lengths=(4, 2, 3), H=2, HV=2, K=16, V=16, block_sizes=(2, 3), lower_bound=-5.0),
         PlanCase(),
     ]
     if device.type != "cpu":
         suite += [
-            GdnCase(lengths=(8,) * 12 + (5, 0, 3, 8), pad_rows=(14,), H=4, HV=8, K=128, V=128),
-            GdnCase(lengths=(4,) * 16, H=16, HV=32, K=128, V=128, state_dtype=bf16),
-            GdnCase(lengths=(6, 1, 6, 4), H=4, HV=8, K=64, V=128, act_dtype=bf16, gates="pre"),
+            RecurrenceCase(lengths=(8,) * 12 + (5, 0, 3, 8), pad_rows=(14,), H=4, HV=8, K=128, V=128),
+            RecurrenceCase(lengths=(4,) * 16, H=16, HV=32, K=128, V=128, state_dtype=bf16),
+            RecurrenceCase(lengths=(6, 1, 6, 4), H=4, HV=8, K=64, V=128, act_dtype=bf16, gates="pre"),
+            RecurrenceCase(kind="kda", lengths=(8,) * 12 + (5, 0, 3, 8), pad_rows=(14,), H=8, HV=8, K=128, V=128),
+            RecurrenceCase(kind="kda", lengths=(4,) * 16, H=32, HV=32, K=128, V=128, state_dtype=bf16,
+                           lower_bound=-5.0),
+            RecurrenceCase(kind="kda", lengths=(6, 1, 6, 4), H=4, HV=8, K=64, V=128, act_dtype=bf16, gates="pre"),
             ConvCase(lengths=(8,) * 8 + (3, 0), dim=4096 + 2048),
+            ConvDecodeCase(lengths=(2,) * 64, pad_rows=(5,), dim=4096 + 2048),
             AlignCase(lengths=(4,) * 8, block_sizes=(8, 5), layers=4, H=4, HV=8, K=128, V=128),
             AlignCase(lengths=(6, 6, 2, 6), block_sizes=(4, 16), H=4, HV=8, K=64, V=128,
                       state_dtype=bf16, permute=True),
+            AlignCase(kind="kda", lengths=(4,) * 8, block_sizes=(8, 5), layers=4, H=8, HV=8, K=128, V=128),
         ]
     return suite
 

@@ -1,15 +1,18 @@
-"""``recoverssm demo``: a tiny GDN model decoded speculatively and checked bit for bit.
+"""``recoverssm demo``: a tiny GDN or KDA model decoded speculatively and checked bit for bit.
 
-* :mod:`.model`: the model (weights from a fixed seed; every non-recurrent op one token at a time).
+* :mod:`.model`: the model, GDN or KDA layers (weights from a fixed seed; every non-recurrent op one
+  token at a time).
 * :mod:`.draft`: the n-gram draft over each request's own history.
 * :mod:`.spec`: the speculative path (verify windows, one grouped align-mode commit per step).
-* :mod:`.reference`: the per-token path (``rs.gdn_decode``, one token per call).
+* :mod:`.reference`: the per-token path (``rs.gdn_decode`` or ``rs.kda_decode`` and
+  ``rs.conv_decode``, one token per call).
 * :mod:`.checks`: the bit-identity checks between the two paths.
 * :mod:`.run`: the loop (prefill, then one checked step at a time).
 * :mod:`.tp`: the same loop under tensor parallelism, one process per rank.
 * :mod:`.report` and :mod:`.cli`: what the command prints, and the command line of both front ends.
 """
-from .model import ModelConfig, TinyGDN
+from .model import ModelConfig, TinyGDN, TinyModel, model_config
 from .run import DemoConfig, DemoMismatch, DemoResult, run_demo
 
-__all__ = ["DemoConfig", "DemoMismatch", "DemoResult", "ModelConfig", "TinyGDN", "run_demo"]
+__all__ = ["DemoConfig", "DemoMismatch", "DemoResult", "ModelConfig", "TinyGDN", "TinyModel", "model_config",
+           "run_demo"]

@@ -5,7 +5,6 @@ usage or setup error, one line on stderr)."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -21,9 +20,9 @@ from recoverssm.console import ProgressBar
 from recoverssm.core.registry import registry
 
 from .checks import DemoMismatch
-from .model import ModelConfig
+from .model import ARCHS, model_config
 from .report import StepPrinter, intro_lines, summary_lines, tp_intro_lines, tp_lines
-from .run import DemoConfig, run_demo
+from .run import DemoConfig, resolve_ref_conv, run_demo
 from .tp import init_distributed, run_tp_demo, shard_config
 
 
@@ -37,10 +36,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-tokens", type=int, default=3, help="draft tokens per window, k (default: 3)")
     p.add_argument("--steps", type=int, default=12, help="speculative steps (default: 12)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights, prompts and drafts (default: 0)")
-    p.add_argument("--layers", type=int, default=4, help="GDN layers, split into 2 KV-cache groups (default: 4)")
+    p.add_argument("--arch", choices=ARCHS, default="gdn",
+                   help="the recurrent layers: gdn (Gated DeltaNet, Qwen3-Next-like) or kda (Kimi Delta "
+                        "Attention, Kimi-Linear-like: H = HV, K = V, a gate per K channel) (default: gdn)")
+    p.add_argument("--lower-bound", type=float, nargs="?", const=-5.0, default=None, metavar="LB",
+                   help="with --arch kda: the bounded gate g = LB * sigmoid(exp(A_log) * (a + dt_bias)), "
+                        "LB < 0 (default without a value: -5)")
+    p.add_argument("--layers", type=int, default=4,
+                   help="recurrent layers, split into 2 KV-cache groups (default: 4)")
     p.add_argument("--ref-conv", choices=("auto", "torch", "kernel"), default="auto",
-                   help="per-token conv of the reference path: plain torch, or the backend's kernel "
-                        "(default: torch on cpu_ref, kernel elsewhere)")
+                   help="per-token conv of the reference path: the backend's rs.conv_decode (kernel), or "
+                        "plain torch, bit-identical on cpu_ref only (default: kernel where the backend "
+                        "has conv_decode)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default: 1; the demo's ops are tiny, and extra intra-op "
                         "threads only add synchronisation, which spins badly on a busy machine)")
@@ -51,7 +58,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def size_error(args: argparse.Namespace) -> Optional[str]:
-    """The first size argument out of range, as a message; None if all are valid."""
+    """The first size or model argument out of range, as a message; None if all are valid."""
+    if args.lower_bound is not None and args.arch != "kda":
+        return "--lower-bound is KDA's bounded gate: it needs --arch kda"
+    if args.lower_bound is not None and not args.lower_bound < 0:
+        return f"--lower-bound must be < 0 (the gate is a decay), got {args.lower_bound:g}"
     limits = [("--requests", args.requests, 1), ("--draft-tokens", args.draft_tokens, 0),
               ("--steps", args.steps, 0), ("--layers", args.layers, 1)]
     if args.tp is not None:
@@ -64,10 +75,9 @@ def size_error(args: argparse.Namespace) -> Optional[str]:
 
 def demo_config(args: argparse.Namespace, device: torch.device) -> DemoConfig:
     """The :class:`DemoConfig` the arguments ask for, on ``device``."""
-    mcfg = dataclasses.replace(ModelConfig(), num_layers=args.layers)
     return DemoConfig(requests=args.requests, draft_tokens=args.draft_tokens, steps=args.steps,
                       seed=args.seed, device=str(device), backend=args.backend,
-                      ref_conv=args.ref_conv, model=mcfg)
+                      ref_conv=args.ref_conv, model=model_config(args.arch, args.layers, args.lower_bound))
 
 
 class Printer:
@@ -107,7 +117,7 @@ def run_single(args: argparse.Namespace) -> int:
         backend, reason = registry().resolve(cfg.backend, cfg.device)
     except (rs.BackendError, RuntimeError) as e:
         return _error(str(e))
-    out.lines(intro_lines(cfg, backend.name, reason))
+    out.lines(intro_lines(cfg, backend.name, reason, resolve_ref_conv(cfg.ref_conv, backend)))
     printer = StepPrinter(out, cfg, out.bar)
     t0 = time.perf_counter()
     try:
@@ -134,7 +144,7 @@ def run_single(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------------
 def run_tensor_parallel(args: argparse.Namespace) -> int:
     """``recoverssm demo --tp N`` on this rank: join the process group torchrun set up, run, leave."""
-    mcfg = dataclasses.replace(ModelConfig(), num_layers=args.layers)
+    mcfg = model_config(args.arch, args.layers, args.lower_bound)
     try:
         # gloo runs anywhere; NCCL only on cuda, so an xpu machine defaults to the CPU here.
         device_type = (parse_device(args.device) if args.device else default_device(("cuda",))).type
@@ -161,7 +171,8 @@ def _run_rank(args: argparse.Namespace, rank: int, world: int, device: torch.dev
         backend, reason = registry().resolve(cfg.backend, device)
     except (rs.BackendError, RuntimeError) as e:
         return _error(str(e)) if lead else 2
-    out.lines(tp_intro_lines(cfg, world, device.type, backend.name, reason, dist.get_backend()))
+    out.lines(tp_intro_lines(cfg, world, device.type, backend.name, reason, dist.get_backend(),
+                             resolve_ref_conv(cfg.ref_conv, backend)))
     printer = StepPrinter(out, cfg, out.bar, prefill_note=" on every rank")
     t0 = time.perf_counter()
     try:

@@ -3,7 +3,7 @@
 Prompt-lookup style: find the most recent earlier occurrence of the last ``n`` tokens (``n`` from
 ``order - 1`` down to 1) in the request's prompt + generated tokens and propose what followed it.
 When nothing matches, fall back to a stateless draft built from the target's own embedding and LM
-head with perturbed weights (:meth:`TinyGDN.next_token_table`). Each request also replaces a draft
+head with perturbed weights (:meth:`TinyModel.next_token_table`). Each request also replaces a draft
 token with a random one with its own probability (``noise``), so acceptance differs per request.
 Greedy decoding of a small random model soon falls into loops, which the lookup then predicts well:
 acceptance grows as a request's history does.

@@ -1,16 +1,21 @@
-"""The demo's target model: a tiny stack of Gated DeltaNet layers built from a fixed seed.
+"""The demo's target model: a tiny stack of recurrent layers built from a fixed seed, either
+Gated DeltaNet (``arch="gdn"``, Qwen3-Next-like) or Kimi Delta Attention (``arch="kda"``,
+Kimi-Linear-like: ``H = HV``, ``K = V``, a decay per K channel).
 
 One layer (pre-norm, residual), for a token's hidden vector ``h`` (``[hidden]``)::
 
     proj        = rmsnorm(h) @ w_in                      fused in-projection -> q | k | v | a | b | z
     y           = silu(causal_conv(q | k | v))           conv over the q|k|v channels, width 4
     q, k, v     = strided views of y                     [H, K], [H, K], [HV, V]
-    o           = GDN(q, k, v, a, b)                     the recurrent layer (verify or decode)
+    o           = GDN or KDA(q, k, v, a, b)              the recurrent layer (verify or decode)
     h           = h + (rmsnorm_per_head(o) * silu(z)).flatten() @ w_out
     h           = h + silu(rmsnorm(h) @ w_up) @ w_down   small MLP
 
-and at the top ``logits = rmsnorm(h) @ w_head``. The conv and the GDN step are the recurrent parts
-(the speculative and the per-token paths call different ops for them); everything else is here.
+and at the top ``logits = rmsnorm(h) @ w_head``. The gate input ``a`` is ``[HV]`` per token for
+GDN (a scalar decay per value head) and ``[HV, K]`` for KDA (a plain projection to one gate input
+per K channel; Kimi-Linear factors that projection through a low rank, which changes nothing
+here). The conv and the recurrence are the recurrent parts (the speculative and the per-token
+paths call different ops for them, :data:`RECURRENCES`); everything else is here.
 
 **Batch invariance.** The demo asserts that speculative decoding leaves states *bit-identical* to
 the per-token path. The recurrent ops are exact by construction, so the rest of the model must give
@@ -24,17 +29,38 @@ matters at the demo's sizes; an engine gets the same property from batch-invaria
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
+import recoverssm as rs
+
+#: the recurrent layer kinds, as ``--arch`` names them
+ARCHS = ("gdn", "kda")
+
+#: the library's ops of each layer kind: the speculative path verifies, the per-token path decodes
+RECURRENCES: dict[str, dict[str, Callable[..., torch.Tensor]]] = {
+    "gdn": {"verify": rs.gdn_verify, "decode": rs.gdn_decode},
+    "kda": {"verify": rs.kda_verify, "decode": rs.kda_decode},
+}
+
+#: head sizes of each kind's own model at production scale (the demo's memory accounting):
+#: Qwen3-Next's GDN layers and Kimi-Linear's KDA layers
+PRODUCTION_HEADS = {"gdn": dict(H=16, HV=32, K=128, V=128), "kda": dict(H=32, HV=32, K=128, V=128)}
+
+#: sizes each kind changes from :class:`ModelConfig`'s defaults (KDA: as many q/k heads as value heads)
+ARCH_SIZES = {"gdn": {}, "kda": dict(H=4, HV=4)}
+
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Sizes of the demo model. ``H`` q/k heads of dim ``K``, ``HV`` value heads of dim ``V``."""
+    """Sizes of the demo model. ``H`` q/k heads of dim ``K``, ``HV`` value heads of dim ``V``;
+    ``arch``: the recurrent layers' kind; ``lower_bound``: KDA's bounded gate (None: the softplus
+    gate)."""
 
     vocab: int = 512
     hidden: int = 64
@@ -47,6 +73,33 @@ class ModelConfig:
     mlp_hidden: int = 128
     eps: float = 1e-6
     seed: int = 0
+    arch: str = "gdn"
+    lower_bound: Optional[float] = None
+
+    def __post_init__(self):
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch must be one of {', '.join(ARCHS)}, got {self.arch!r}")
+        if self.arch == "kda" and (self.H != self.HV or self.K != self.V):
+            raise ValueError(f"the KDA model has H = HV and K = V (as Kimi-Linear), got H={self.H} "
+                             f"HV={self.HV} K={self.K} V={self.V}")
+        if self.lower_bound is not None and self.arch != "kda":
+            raise ValueError("lower_bound selects KDA's bounded gate: it needs arch 'kda'")
+
+    @property
+    def gate_shape(self) -> tuple[int, ...]:
+        """Shape of one token's gate input ``a`` (and of ``dt_bias``): ``[HV]`` for GDN, ``[HV, K]``
+        for KDA."""
+        return (self.HV,) if self.arch == "gdn" else (self.HV, self.K)
+
+    @property
+    def gate_channels(self) -> int:
+        """Gate inputs per value head: 1 (GDN) or ``K`` (KDA)."""
+        return math.prod(self.gate_shape) // self.HV
+
+    @property
+    def vector_decay(self) -> bool:
+        """True when the decay is a K-vector (KDA): the records hold one decay per K channel."""
+        return self.gate_channels > 1
 
     @property
     def conv_dim(self) -> int:
@@ -56,15 +109,38 @@ class ModelConfig:
     @property
     def proj_dim(self) -> int:
         """Width of the fused in-projection: q | k | v | a | b | z."""
-        return self.conv_dim + 2 * self.HV + self.HV * self.V
+        return self.conv_dim + self.HV * self.gate_channels + self.HV + self.HV * self.V
 
     @property
     def conv_history(self) -> int:
         return self.conv_width - 1
 
+    def records_per_token(self) -> int:
+        """fp32 values one token's replay records hold per layer: correction ``[HV, V]``, key
+        ``[H, K]``, decay ``[HV]`` or ``[HV, K]``."""
+        return self.HV * self.V + self.H * self.K + self.HV * self.gate_channels
+
+    def at_production_scale(self) -> "ModelConfig":
+        """These layers with :data:`PRODUCTION_HEADS`' head sizes (for the memory accounting)."""
+        return dataclasses.replace(self, **PRODUCTION_HEADS[self.arch])
+
+    def heads(self) -> str:
+        """The head sizes, e.g. ``H=2 HV=4 K=V=16``."""
+        dims = f"K=V={self.K}" if self.K == self.V else f"K={self.K} V={self.V}"
+        return f"H={self.H} HV={self.HV} {dims}"
+
     def describe(self) -> str:
-        return (f"{self.num_layers} GDN layers, hidden {self.hidden}, H={self.H} HV={self.HV} "
-                f"K={self.K} V={self.V}, conv width {self.conv_width}, vocab {self.vocab}")
+        gate = ""
+        if self.arch == "kda":
+            bound = "softplus" if self.lower_bound is None else f"bounded, lower_bound {self.lower_bound:g}"
+            gate = f", per-channel gates ({bound})"
+        return (f"{self.num_layers} {self.arch.upper()} layers, hidden {self.hidden}, {self.heads()}"
+                f"{gate}, conv width {self.conv_width}, vocab {self.vocab}")
+
+
+def model_config(arch: str = "gdn", num_layers: int = 4, lower_bound: Optional[float] = None) -> ModelConfig:
+    """The demo model of ``arch`` (:data:`ARCH_SIZES`) with ``num_layers`` layers."""
+    return ModelConfig(arch=arch, lower_bound=lower_bound, num_layers=num_layers, **ARCH_SIZES.get(arch, {}))
 
 
 @dataclass
@@ -76,7 +152,7 @@ class LayerWeights:
     conv_w: torch.Tensor     # [conv_dim, conv_width]; conv_w[:, -1] multiplies the current token
     conv_b: torch.Tensor     # [conv_dim]
     A_log: torch.Tensor      # [HV] fp32
-    dt_bias: torch.Tensor    # [HV] fp32
+    dt_bias: torch.Tensor    # gate_shape ([HV] or [HV, K]) fp32
     o_norm: torch.Tensor     # [V], gated RMSNorm weight (shared by the heads)
     w_out: torch.Tensor      # [HV * V, hidden]
     mlp_norm: torch.Tensor   # [hidden]
@@ -89,7 +165,7 @@ class LayerInputs:
     """The fused in-projection of a batch of tokens and its views (no copies).
 
     ``proj``: ``[T, proj_dim]``; ``qkv``: ``[T, conv_dim]`` (row stride ``proj_dim``);
-    ``a``, ``b``: ``[T, HV]``; ``z``: ``[T, HV, V]``. All views have a contiguous last dim, as the
+    ``a``: ``[T, *gate_shape]``; ``b``: ``[T, HV]``; ``z``: ``[T, HV, V]``. All views have a contiguous last dim, as the
     ops require; the other strides are whatever the fused buffer gives.
     """
 
@@ -118,7 +194,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
-class TinyGDN:
+class TinyModel:
     """The demo's target model (weights drawn on CPU from ``cfg.seed``, then moved to ``device``)."""
 
     def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu"):
@@ -147,7 +223,7 @@ class TinyGDN:
                 conv_w=conv_w,
                 conv_b=randn(c.conv_dim, std=0.1),
                 A_log=torch.log(uniform(0.5, 8.0, c.HV)),
-                dt_bias=randn(c.HV, std=0.5),
+                dt_bias=randn(*c.gate_shape, std=0.5),
                 o_norm=1.0 + randn(c.V, std=0.1),
                 w_out=randn(c.HV * c.V, c.hidden, std=0.3 / math.sqrt(c.HV * c.V)),
                 mlp_norm=1.0 + randn(c.hidden, std=0.1),
@@ -167,18 +243,30 @@ class TinyGDN:
         c, w = self.cfg, self.layers[i]
         proj = rowwise(lambda x: rmsnorm(x, w.norm, c.eps) @ w.w_in, h)
         a0 = c.conv_dim
-        b0 = a0 + c.HV
+        b0 = a0 + c.HV * c.gate_channels
         z0 = b0 + c.HV
-        return LayerInputs(proj=proj, qkv=proj[:, :a0], a=proj[:, a0:b0], b=proj[:, b0:z0],
-                           z=proj[:, z0:].unflatten(-1, (c.HV, c.V)))
+        return LayerInputs(proj=proj, qkv=proj[:, :a0], a=proj[:, a0:b0].unflatten(-1, c.gate_shape),
+                           b=proj[:, b0:z0], z=proj[:, z0:].unflatten(-1, (c.HV, c.V)))
 
     def split_qkv(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Strided views ``q, k: [T, H, K]`` and ``v: [T, HV, V]`` of the conv output ``[T, conv_dim]``
-        (read in place by the GDN ops: no copy)."""
+        (read in place by the recurrent ops: no copy)."""
         c = self.cfg
         hk = c.H * c.K
         return (y[:, :hk].unflatten(-1, (c.H, c.K)), y[:, hk:2 * hk].unflatten(-1, (c.H, c.K)),
                 y[:, 2 * hk:].unflatten(-1, (c.HV, c.V)))
+
+    def recurrence(self, mode: str) -> Callable[..., torch.Tensor]:
+        """The library op of this model's layers for ``mode`` (``"verify"`` or ``"decode"``)."""
+        return RECURRENCES[self.cfg.arch][mode]
+
+    def gates(self, i: int, x: LayerInputs) -> dict:
+        """Layer ``i``'s raw gate arguments of the recurrent op, for the tokens of ``x``."""
+        w = self.layers[i]
+        gates = dict(a=x.a, b=x.b, A_log=w.A_log, dt_bias=w.dt_bias)
+        if self.cfg.arch == "kda":
+            gates["lower_bound"] = self.cfg.lower_bound
+        return gates
 
     def finish_layer(self, i: int, h: torch.Tensor, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """Gated RMSNorm, out-projection, residual and MLP. ``h``: ``[T, hidden]``, ``o``, ``z``:
@@ -207,3 +295,7 @@ class TinyGDN:
         head = head + noise * head.std() * torch.randn(head.shape, generator=gen)
         logits = rmsnorm(emb, self.final_norm.cpu(), self.cfg.eps) @ head
         return logits.argmax(-1).tolist()
+
+
+#: alias of :class:`TinyModel`, the name its callers import
+TinyGDN = TinyModel

@@ -1,17 +1,18 @@
 """The reference path: plain non-speculative decoding, one token per request per call.
 
 Nothing here touches records, plans or commits. Each request owns slot ``q`` of small private
-pools; every call feeds one token per active request through the model with ``rs.gdn_decode``
-(the native per-token recurrence, state updated in place) and a per-token causal conv:
+pools; every call feeds one token per active request through the model with ``rs.gdn_decode`` or
+``rs.kda_decode`` (the native per-token recurrence, state updated in place) and a per-token causal
+conv, whose pools hold the history only (``[requests, conv_dim, width - 1]``):
 
+* ``conv="kernel"``: the backend's ``rs.conv_decode``, as an engine's decode step runs it (output
+  and history shift in one op). Its history is bit-exact to ``conv_verify`` + commit, and its
+  output is ``conv_verify``'s because the fp32 conv state holds the fp32 inputs exactly.
 * ``conv="torch"``: the conv written out in plain PyTorch from the contract's formula
   (``y = silu(bias + sum_j w[:, j] * seq[j])``, fp32, taps in order ``j = 0 .. width-1``,
   then the window shifts by one). These are the same elementwise fp32 operations, in the same
   order, as the ``cpu_ref`` kernel, so on ``cpu_ref`` the outputs agree bit for bit without
-  sharing any code with it.
-* ``conv="kernel"``: the backend's own ``rs.conv_verify`` on a one-token window, then the history
-  is shifted by hand. Used for GPU backends, whose conv kernel may contract ``a*b+c`` into an FMA
-  and so round differently from PyTorch's separate multiply and add.
+  sharing any code with it; a GPU kernel may contract ``a*b+c`` into an FMA and round otherwise.
 
 It also keeps a copy of every layer's state and conv history whenever a request's token count
 reaches a multiple of a group's block size: what a prefix-cache block must hold.
@@ -26,13 +27,13 @@ import torch.nn.functional as F
 import recoverssm as rs
 from recoverssm.backends.cpu_ref.numerics import on_vector_path
 
-from .model import TinyGDN
+from .model import TinyModel
 
 
 class ReferenceEngine:
     """Per-token decode of ``num_requests`` requests; request ``q`` lives in slot ``q``."""
 
-    def __init__(self, model: TinyGDN, num_requests: int, backend, conv: str,
+    def __init__(self, model: TinyModel, num_requests: int, backend, conv: str,
                  block_sizes: Sequence[int], layers_of: Sequence[Sequence[int]]):
         if conv not in ("torch", "kernel"):
             raise ValueError(f"conv must be 'torch' or 'kernel', got {conv!r}")
@@ -44,9 +45,7 @@ class ReferenceEngine:
         self.layers_of = [list(ls) for ls in layers_of]
         dev = model.device
         self.state = [torch.zeros(num_requests, c.HV, c.V, c.K, device=dev) for _ in range(c.num_layers)]
-        # Columns [0, history) hold the history; the last column is where a one-token window
-        # goes (the kernel path writes it there, exactly as verify would).
-        self.conv_state = [torch.zeros(num_requests, c.conv_dim, c.conv_history + 1, device=dev)
+        self.conv_state = [torch.zeros(num_requests, c.conv_dim, c.conv_history, device=dev)
                            for _ in range(c.num_layers)]
         self.num_computed = [0] * num_requests
         #: (group, request, tokens) -> [(state, conv history) per layer of the group]
@@ -60,28 +59,27 @@ class ReferenceEngine:
         slots = torch.tensor(list(requests), dtype=torch.int32, device=dev)
         qsl = torch.arange(B + 1, dtype=torch.int32, device=dev)
         h = m.embed(torch.tensor(list(tokens), dtype=torch.long, device=dev))
-        for i, w in enumerate(m.layers):
+        decode = m.recurrence("decode")
+        for i in range(len(m.layers)):
             x = m.in_proj(i, h)
-            y = self._conv(i, x.qkv, requests, slots, qsl)
+            y = self._conv(i, x.qkv, requests, slots)
             q, k, v = m.split_qkv(y)
-            o = rs.gdn_decode(q, k, v, state=self.state[i], state_indices=slots, query_start_loc=qsl,
-                              a=x.a, b=x.b, A_log=w.A_log, dt_bias=w.dt_bias, backend=self.backend)
+            o = decode(q, k, v, state=self.state[i], state_indices=slots, query_start_loc=qsl,
+                       **m.gates(i, x), backend=self.backend)
             h = m.finish_layer(i, h, o, x.z)
         for r in requests:
             self.num_computed[r] += 1
             self._keep_block_state(r)
         return m.logits(h)
 
-    def _conv(self, i: int, x: torch.Tensor, requests, slots, qsl) -> torch.Tensor:
+    def _conv(self, i: int, x: torch.Tensor, requests, slots) -> torch.Tensor:
         """Per-token causal conv of layer ``i``: ``x [B, conv_dim]`` -> ``y [B, conv_dim]``."""
         w = self.model.layers[i]
         cs = self.conv_state[i]
         hist = self.model.cfg.conv_history
         if self.conv == "kernel":
-            y = rs.conv_verify(x, cs, w.conv_w, w.conv_b, state_indices=slots, query_start_loc=qsl,
-                               activation="silu", backend=self.backend)
-            cs[slots.long(), :, :hist] = cs[slots.long(), :, 1:hist + 1].clone()
-            return y
+            return rs.conv_decode(x, cs, w.conv_w, w.conv_b, state_indices=slots, activation="silu",
+                                  backend=self.backend)
         weight = w.conv_w.float()
         ys = []
         for j, r in enumerate(requests):

@@ -15,12 +15,21 @@ def _kib(n: int) -> str:
     return f"{n / 1024:.1f} KiB"
 
 
-def intro_lines(cfg: DemoConfig, backend_name: str, reason: str) -> list[str]:
-    """The single-process demo's opening: what runs where, the model, the KV-cache groups."""
+def per_token_ops(mcfg: ModelConfig, ref_conv: str) -> str:
+    """The ops of the per-token path, e.g. ``rs.kda_decode + rs.conv_decode``."""
+    conv = "rs.conv_decode" if ref_conv == "kernel" else "the conv in plain torch"
+    return f"rs.{mcfg.arch}_decode + {conv}"
+
+
+def intro_lines(cfg: DemoConfig, backend_name: str, reason: str, ref_conv: str) -> list[str]:
+    """The single-process demo's opening: what runs where, the model, the KV-cache groups, the
+    per-token path (``ref_conv`` resolved)."""
     mcfg = cfg.model
     lines = [f"recoverssm demo: {cfg.requests} requests, k={cfg.draft_tokens} draft tokens, {cfg.steps} steps; "
              f"backend {backend_name} on {cfg.device} ({reason})",
-             f"model: {mcfg.describe()}, seed {cfg.seed}"]
+             f"model: {mcfg.describe()}, seed {cfg.seed}",
+             f"speculative path: rs.conv_verify + rs.{mcfg.arch}_verify per window; "
+             f"per-token path: {per_token_ops(mcfg, ref_conv)}, one token per call"]
     if mcfg.num_layers > 1:
         lines.append(f"KV-cache groups: even layers (block size {cfg.block_sizes[0]}), odd layers "
                      f"(block size {cfg.block_sizes[1]}); align mode (prefix caching), one commit per step")
@@ -30,7 +39,7 @@ def intro_lines(cfg: DemoConfig, backend_name: str, reason: str) -> list[str]:
 
 
 def tp_intro_lines(cfg: DemoConfig, world: int, device_type: str, backend_name: str, reason: str,
-                   dist_backend: str) -> list[str]:
+                   dist_backend: str, ref_conv: str) -> list[str]:
     """The tensor-parallel demo's opening: what runs where, the model, how it is sharded."""
     mcfg: ModelConfig = cfg.model
     return [
@@ -41,7 +50,8 @@ def tp_intro_lines(cfg: DemoConfig, world: int, device_type: str, backend_name: 
         f"sharding: each rank holds H/{world} q/k heads, HV/{world} value heads and their conv channels "
         f"of every layer (column-parallel in-projection, row-parallel out-projection + all_reduce); "
         f"embedding, MLP, head and sampling replicated",
-        "reference: each rank's own per-token path on the same shard (rs.gdn_decode, same all-reduces)",
+        f"reference: each rank's own per-token path on the same shard ({per_token_ops(mcfg, ref_conv)}, "
+        f"same all-reduces)",
     ]
 
 
@@ -104,7 +114,7 @@ def summary_lines(res: DemoResult) -> list[str]:
         f"RecoverSSM {_kib(mem['recoverssm_states'])} states + {_kib(mem['recoverssm_records'])} records "
         f"= {_kib(rs_total)}; snapshot {_kib(mem['snapshot_states'])} ({mem['snapshot_states'] / rs_total:.1f}x)",
         f"records per token: {mem['records_per_token_fraction_of_state']:.1%} of a state at these dims, "
-        f"{mem['records_per_token_fraction_of_state_at_H16_HV32_K128_V128']:.1%} at H=16 HV=32 K=V=128",
+        f"{mem['records_per_token_fraction_of_state_at_production']:.1%} at {mem['production_heads']}",
         f"time per step: speculative path {spec_ms:.1f} ms (draft, verify, plan, commit), "
         f"per-token reference {ref_ms:.1f} ms",
         f"bit-identity: OK: {res.compared_slots} state/conv slot comparisons, {res.compared_logits} logits rows, "

@@ -1,11 +1,12 @@
-"""``recoverssm demo``: speculative decoding of a tiny GDN model, checked bit for bit at every step.
+"""``recoverssm demo``: speculative decoding of a tiny GDN or KDA model, checked bit for bit at
+every step.
 
 Each step, for every request: the draft proposes ``k`` tokens; the speculative path verifies the
 window ``[last accepted token, d_1 .. d_k]`` of all requests at once (``rs.conv_verify`` +
-``rs.gdn_verify`` per layer, records in one ``ReplayRecords`` per layer), accepts drafts greedily
-(while the target's argmax agrees; ``num_accepted = accepted drafts + 1``, the last token being the
-target's own prediction) and commits every layer of both KV-cache groups in ONE
-``CommitContext.commit`` in align mode. Beside it, the per-token reference path
+``rs.gdn_verify`` or ``rs.kda_verify`` per layer, records in one ``ReplayRecords`` per layer),
+accepts drafts greedily (while the target's argmax agrees; ``num_accepted = accepted drafts + 1``,
+the last token being the target's own prediction) and commits every layer of both KV-cache groups
+in ONE ``CommitContext.commit`` in align mode. Beside it, the per-token reference path
 (:mod:`recoverssm.demo.reference`) generates the same tokens one at a time.
 
 After every step the demo checks with ``torch.equal`` that
@@ -17,12 +18,12 @@ After every step the demo checks with ``torch.equal`` that
 and at the end that every prefix-cache block written during the run still holds its state. Any
 difference raises :class:`DemoMismatch` (the CLI exits 1 with its message).
 
-Why the two paths can agree bit for bit: the GDN recurrence is exact by the library's design (the
+Why the two paths can agree bit for bit: the recurrence is exact by the library's design (the
 records hold the very values the per-token step used; the commit replays them with the same
 fused multiply-add). What remains is to feed both paths the same bits: every non-recurrent op runs
 one token at a time on identically shaped tensors (:mod:`recoverssm.demo.model`), so a token's
 q/k/v/a/b do not depend on the window or batch it arrived in; and the per-token conv rounds like
-the backend's conv (:mod:`recoverssm.demo.reference`).
+the backend's verify conv (:mod:`recoverssm.demo.reference`).
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ from recoverssm.core.registry import registry
 
 from .checks import DemoMismatch, SlotChecker, expect_equal
 from .draft import NgramDraft
-from .model import ModelConfig, TinyGDN
+from .model import ModelConfig, TinyModel
 from .reference import ReferenceEngine
 from .spec import SpecEngine
 
@@ -61,7 +62,7 @@ class DemoConfig:
     # replacing a draft token by a random one. Different drafts -> different acceptance.
     draft_weight_noise: tuple[float, ...] = (0.02, 0.1, 0.3, 0.6)
     draft_token_noise: tuple[float, ...] = (0.0, 0.1, 0.2, 0.3)
-    ref_conv: str = "auto"                     # "torch", "kernel", or "auto" (torch on cpu_ref)
+    ref_conv: str = "auto"                     # "kernel", "torch", or "auto" (see resolve_ref_conv)
     model: ModelConfig = field(default_factory=ModelConfig)
 
 
@@ -138,16 +139,19 @@ def _sync(device: torch.device) -> None:
         torch.xpu.synchronize(device)
 
 
+def _records_fraction(c: ModelConfig) -> float:
+    """One token's replay records as a fraction of one state (both fp32, per request per layer)."""
+    return c.records_per_token() / (c.HV * c.V * c.K)
+
+
 def _memory(spec: SpecEngine, cfg: DemoConfig) -> dict:
     mem = spec.bytes_held()
-    c, T = cfg.model, cfg.draft_tokens + 1
-    # The same accounting at production head sizes (Qwen3-Next-like GDN: H=16, HV=32, K=V=128).
-    state_big = 32 * 128 * 128 * 4
-    record_big = (32 * 128 + 16 * 128 + 32) * 4          # one token's records, per request per layer
+    big = cfg.model.at_production_scale()
     mem.update({
-        "slots_per_request_recoverssm": 1, "slots_per_request_snapshot": T,
-        "records_per_token_fraction_of_state": (c.HV * c.V + c.H * c.K + c.HV) / (c.HV * c.V * c.K),
-        "records_per_token_fraction_of_state_at_H16_HV32_K128_V128": record_big / state_big,
+        "slots_per_request_recoverssm": 1, "slots_per_request_snapshot": cfg.draft_tokens + 1,
+        "records_per_token_fraction_of_state": _records_fraction(cfg.model),
+        "production_heads": big.heads(),
+        "records_per_token_fraction_of_state_at_production": _records_fraction(big),
     })
     return mem
 
@@ -169,11 +173,11 @@ def accept_greedy(windows: Sequence[Sequence[int]], preds: Sequence[int], qsl_ho
     return accepted, emitted
 
 
-def resolve_ref_conv(ref_conv: str, backend_name: str) -> str:
-    """``"auto"``: the reference conv in plain torch on cpu_ref (bit-identical to its kernel),
-    through the backend's kernel elsewhere (a GPU kernel may contract into FMAs)."""
+def resolve_ref_conv(ref_conv: str, backend) -> str:
+    """``"auto"``: the per-token conv through the backend's ``rs.conv_decode`` (``"kernel"``), or in
+    plain torch (bit-identical on cpu_ref only) where the backend has no ``conv_decode``."""
     if ref_conv == "auto":
-        return "torch" if backend_name == "cpu_ref" else "kernel"
+        return "kernel" if "conv_decode" in backend.capabilities else "torch"
     return ref_conv
 
 
@@ -183,7 +187,7 @@ class DemoLoop:
     :meth:`prefill` once, then :meth:`step` per speculative step; :meth:`finish` checks the
     prefix cache and returns the result."""
 
-    def __init__(self, cfg: DemoConfig, model: TinyGDN, backend, ref_conv: str):
+    def __init__(self, cfg: DemoConfig, model: TinyModel, backend, ref_conv: str):
         self.cfg, self.device = cfg, torch.device(cfg.device)
         R, self.k = cfg.requests, cfg.draft_tokens
         self.T = self.k + 1
@@ -293,17 +297,17 @@ class DemoLoop:
 
 def run_demo(cfg: DemoConfig, on_step: Optional[Callable[[StepStats], None]] = None,
              on_prefill: Optional[Callable[[int], None]] = None, *,
-             make_model: Optional[Callable[[ModelConfig, torch.device], TinyGDN]] = None) -> DemoResult:
+             make_model: Optional[Callable[[ModelConfig, torch.device], TinyModel]] = None) -> DemoResult:
     """Run the demo; raise :class:`DemoMismatch` at the first difference. ``on_prefill(rounds)``
     after the checked prefill, ``on_step(stats)`` after each checked step (progress reporting).
-    ``make_model(model_cfg, device)`` replaces :class:`TinyGDN` (the tensor-parallel demo passes
+    ``make_model(model_cfg, device)`` replaces :class:`TinyModel` (the tensor-parallel demo passes
     its per-rank shard, :mod:`.tp`)."""
     if cfg.requests < 1 or cfg.draft_tokens < 0 or cfg.steps < 0 or cfg.model.num_layers < 1:
         raise ValueError("requests and layers must be >= 1, draft_tokens and steps >= 0")
     device = torch.device(cfg.device)
     backend, reason = registry().resolve(cfg.backend, device)
-    ref_conv = resolve_ref_conv(cfg.ref_conv, backend.name)
-    model = (make_model or TinyGDN)(dataclasses.replace(cfg.model, seed=cfg.seed), device)
+    ref_conv = resolve_ref_conv(cfg.ref_conv, backend)
+    model = (make_model or TinyModel)(dataclasses.replace(cfg.model, seed=cfg.seed), device)
     loop = DemoLoop(cfg, model, backend, ref_conv)
     rounds = loop.prefill()
     if on_prefill:

@@ -6,7 +6,8 @@ State layout, as an engine with prefix caching (align mode) holds it:
   table ``[num_requests, width]`` of slots in its own pools; block ``j`` of a request covers tokens
   ``[j*bs, (j+1)*bs)`` and holds the state after the last of them that has been computed;
 * per layer: ``state [num_slots, HV, V, K]`` fp32, ``conv_state [num_slots, conv_dim, history + T_max]``
-  and one :class:`~recoverssm.ReplayRecords` workspace (batch row = request);
+  and one :class:`~recoverssm.ReplayRecords` workspace (batch row = request; a decay per K channel
+  for KDA layers);
 * per group and request: the *source slot*, the slot holding the state after the last computed
   token (where the next window is verified from). The commit plan says where the state goes; the
   engine computes the same plan with :func:`recoverssm.plan_commit` to know the next source slots.
@@ -22,7 +23,7 @@ import torch
 
 import recoverssm as rs
 
-from .model import TinyGDN
+from .model import TinyModel
 
 
 @dataclass
@@ -43,7 +44,7 @@ class SpecEngine:
     the block tables). ``backend``: a backend name or object for every op.
     """
 
-    def __init__(self, model: TinyGDN, num_requests: int, max_window: int,
+    def __init__(self, model: TinyModel, num_requests: int, max_window: int,
                  block_sizes: Sequence[int], max_tokens: int, backend, seed: int = 0):
         c = model.cfg
         self.model = model
@@ -79,7 +80,8 @@ class SpecEngine:
                       for i in range(c.num_layers)]
         self.conv_state = [torch.zeros(self.num_slots[self.group_of[i]], c.conv_dim, hist + max_window,
                                        device=dev) for i in range(c.num_layers)]
-        self.records = [rs.ReplayRecords.allocate(num_requests, max_window, c.H, c.HV, c.K, c.V, device=dev)
+        self.records = [rs.ReplayRecords.allocate(num_requests, max_window, c.H, c.HV, c.K, c.V, device=dev,
+                                                  vector_decay=c.vector_decay)
                         for _ in range(c.num_layers)]
         # Built once: a GPU backend builds its pointer tables here, not per step.
         self.ctx = rs.CommitContext(
@@ -105,15 +107,15 @@ class SpecEngine:
         tokens = torch.tensor([t for w in windows for t in w], dtype=torch.long, device=dev)
         sources = [torch.tensor(s, dtype=torch.int32, device=dev) for s in self.source]
         h = m.embed(tokens)
+        verify = m.recurrence("verify")
         for i, w in enumerate(m.layers):
             g = self.group_of[i]
             x = m.in_proj(i, h)
             y = rs.conv_verify(x.qkv, self.conv_state[i], w.conv_w, w.conv_b, state_indices=sources[g],
                                query_start_loc=qsl, activation="silu", backend=self.backend)
             q, k, v = m.split_qkv(y)
-            o = rs.gdn_verify(q, k, v, state=self.state[i], state_indices=sources[g],
-                              query_start_loc=qsl, records=self.records[i], a=x.a, b=x.b,
-                              A_log=w.A_log, dt_bias=w.dt_bias, backend=self.backend)
+            o = verify(q, k, v, state=self.state[i], state_indices=sources[g], query_start_loc=qsl,
+                       records=self.records[i], **m.gates(i, x), backend=self.backend)
             h = m.finish_layer(i, h, o, x.z)
         return m.logits(h), qsl
 

@@ -7,17 +7,19 @@ NCCL on ``--device cuda``, one GPU per rank). Every rank holds, of every layer,
   heads ``[r*HV/N, (r+1)*HV/N)``; a value head's q/k head stays on the same rank), and the conv
   channels of those heads (its q, k and v channels, in the order q | k | v);
 * the matching columns of the fused in-projection (column parallel: it computes its own slice of
-  q, k, v, a, b, z, nothing else), the matching rows of the out-projection (row parallel: a
-  partial sum of the hidden update, summed over the ranks by ``torch.distributed.all_reduce``);
+  q, k, v, a, b, z, nothing else; for KDA, ``a`` holds ``K`` gate inputs per value head), the
+  matching rows of the out-projection (row parallel: a partial sum of the hidden update, summed over
+  the ranks by ``torch.distributed.all_reduce``);
 * its own state pools, conv states, replay records and ONE :class:`~recoverssm.CommitContext`
-  over its local layers: ``rs.conv_verify``, ``rs.gdn_verify`` and the commit run on the shard only.
+  over its local layers: ``rs.conv_verify``, ``rs.gdn_verify`` (or ``rs.kda_verify``) and the
+  commit run on the shard only.
 
 Everything else (embedding, norms, MLP, LM head, sampling, the draft) is replicated.
 
 **What is checked, on every rank.** The whole single-process demo loop (:func:`.run.run_demo`) runs
 on each rank with the sharded model: the speculative path's committed states and conv histories
-are compared with ``torch.equal`` to that rank's OWN per-token path (``rs.gdn_decode`` on the same
-shard, the same all-reduces), every accepted position's logits too, and the prefix-cache blocks at
+are compared with ``torch.equal`` to that rank's OWN per-token path (``rs.gdn_decode`` or
+``rs.kda_decode`` on the same shard, the same all-reduces), every accepted position's logits too, and the prefix-cache blocks at
 the end. The reference is the sharded model, not the single-process one: an all-reduce of partial
 out-projections rounds differently from one matmul over all heads, so a TP run and a single-process
 run legitimately differ in the last bits (and may, rarely, pick other greedy tokens).
@@ -50,7 +52,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .checks import DemoMismatch
-from .model import LayerWeights, ModelConfig, TinyGDN, rmsnorm, rowwise
+from .model import LayerWeights, ModelConfig, TinyModel, rmsnorm, rowwise
 from .run import DemoConfig, DemoResult, StepStats, run_demo
 
 #: NVLink multicast (NVLS) stays off on shared hosts: set before NCCL is initialised.
@@ -70,7 +72,8 @@ class TPSetupError(ValueError):
 @dataclass(frozen=True)
 class HeadShard:
     """Rank ``rank`` of ``world``: q/k heads ``[h0, h1)``, value heads ``[hv0, hv1)`` of a layer with
-    ``H`` q/k heads of dim ``K`` and ``HV`` value heads of dim ``V``."""
+    ``H`` q/k heads of dim ``K``, ``HV`` value heads of dim ``V`` and ``gate_channels`` gate inputs
+    per value head (:attr:`ModelConfig.gate_channels`)."""
 
     rank: int
     world: int
@@ -78,6 +81,12 @@ class HeadShard:
     HV: int
     K: int
     V: int
+    gate_channels: int = 1
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, rank: int, world: int) -> "HeadShard":
+        """Rank ``rank``'s shard of the layers of ``cfg`` (the full model's config)."""
+        return cls(rank, world, cfg.H, cfg.HV, cfg.K, cfg.V, cfg.gate_channels)
 
     def __post_init__(self):
         if not 0 <= self.rank < self.world:
@@ -130,10 +139,12 @@ class HeadShard:
     def proj_columns(self) -> torch.Tensor:
         """int64 indices of this rank's columns of the fused in-projection
         ``q | k | v | a | b | z``, in the same local order."""
-        cd, HV, V = self.conv_dim, self.HV, self.V
-        a = torch.arange(cd + self.hv0, cd + self.hv1)
-        b = HV + a
-        z = torch.arange(cd + 2 * HV + self.hv0 * V, cd + 2 * HV + self.hv1 * V)
+        cd, HV, V, G = self.conv_dim, self.HV, self.V, self.gate_channels
+        b0 = cd + HV * G
+        z0 = b0 + HV
+        a = torch.arange(cd + self.hv0 * G, cd + self.hv1 * G)
+        b = torch.arange(b0 + self.hv0, b0 + self.hv1)
+        z = torch.arange(z0 + self.hv0 * V, z0 + self.hv1 * V)
         return torch.cat([self.conv_channels(), a, b, z])
 
     @property
@@ -154,15 +165,15 @@ class HeadShard:
 def shard_config(cfg: ModelConfig, world: int) -> ModelConfig:
     """The per-rank model sizes: ``H/N`` q/k heads, ``HV/N`` value heads (conv and projection widths
     follow)."""
-    HeadShard(0, world, cfg.H, cfg.HV, cfg.K, cfg.V)          # validates
+    HeadShard.of(cfg, 0, world)          # validates
     return dataclasses.replace(cfg, H=cfg.H // world, HV=cfg.HV // world)
 
 
 # ------------------------------------------------------------------------------------------------
 # the sharded model
 # ------------------------------------------------------------------------------------------------
-class ShardedTinyGDN(TinyGDN):
-    """Rank ``rank``'s shard of a :class:`TinyGDN` (built from the full model's weights).
+class ShardedTinyModel(TinyModel):
+    """Rank ``rank``'s shard of a :class:`TinyModel` (built from the full model's weights).
 
     ``cfg`` holds the LOCAL sizes (``H/N``, ``HV/N``, conv and projection widths), so the engines
     of :mod:`.spec` and :mod:`.reference` allocate per-rank states, conv states and records and call
@@ -171,11 +182,11 @@ class ShardedTinyGDN(TinyGDN):
     gets the same greedy tokens.
     """
 
-    def __init__(self, full: TinyGDN, rank: int, world: int, *, device=None, group=None):
-        # No TinyGDN.__init__: the weights are slices of ``full``'s.
+    def __init__(self, full: TinyModel, rank: int, world: int, *, device=None, group=None):
+        # No TinyModel.__init__: the weights are slices of ``full``'s.
         c = full.cfg
         self.full_cfg = c
-        self.shard = HeadShard(rank, world, c.H, c.HV, c.K, c.V)
+        self.shard = HeadShard.of(c, rank, world)
         self.cfg = shard_config(c, world)
         self.rank, self.world, self.group = rank, world, group
         self.device = torch.device(device) if device is not None else full.device
@@ -206,7 +217,7 @@ class ShardedTinyGDN(TinyGDN):
         self.logits_rows_differing = 0     # logits rows whose bits differ between ranks (info)
 
     def finish_layer(self, i: int, h: torch.Tensor, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """As :meth:`TinyGDN.finish_layer`, with a row-parallel out-projection: the gated norm and
+        """As :meth:`TinyModel.finish_layer`, with a row-parallel out-projection: the gated norm and
         ``@ w_out`` over this rank's heads, then ``all_reduce(SUM)`` of the ``[1, hidden]`` partial,
         one token at a time; residual and MLP replicated."""
         c, w = self.cfg, self.layers[i]
@@ -252,6 +263,10 @@ class ShardedTinyGDN(TinyGDN):
         self.logits_rows_differing += int((~same).sum())
 
 
+#: alias of :class:`ShardedTinyModel`, the name its callers import
+ShardedTinyGDN = ShardedTinyModel
+
+
 # ------------------------------------------------------------------------------------------------
 # the run
 # ------------------------------------------------------------------------------------------------
@@ -279,7 +294,7 @@ class TPDemoResult:
         return out
 
 
-def _rank_summary(rank: int, shard: HeadShard, model: ShardedTinyGDN, res: DemoResult) -> dict:
+def _rank_summary(rank: int, shard: HeadShard, model: ShardedTinyModel, res: DemoResult) -> dict:
     return {"rank": rank, "shard": shard.describe(), "backend": res.backend,
             "compared_slots": res.compared_slots, "compared_logits": res.compared_logits,
             "prefix_blocks_checked": res.prefix_blocks_checked, "tokens": res.tokens,
@@ -295,11 +310,11 @@ def run_tp_demo(cfg: DemoConfig, *, group=None, on_step: Optional[Callable[[Step
     if not dist.is_initialized():
         raise TPSetupError("run_tp_demo needs torch.distributed initialised (see init_distributed)")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    shard = HeadShard(rank, world, cfg.model.H, cfg.model.HV, cfg.model.K, cfg.model.V)
-    made: list[ShardedTinyGDN] = []
+    shard = HeadShard.of(cfg.model, rank, world)
+    made: list[ShardedTinyModel] = []
 
-    def make_model(mcfg: ModelConfig, device: torch.device) -> ShardedTinyGDN:
-        m = ShardedTinyGDN(TinyGDN(mcfg, "cpu"), rank, world, device=device, group=group)
+    def make_model(mcfg: ModelConfig, device: torch.device) -> ShardedTinyModel:
+        m = ShardedTinyModel(TinyModel(mcfg, "cpu"), rank, world, device=device, group=group)
         made.append(m)
         return m
 

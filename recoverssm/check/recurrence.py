@@ -1,34 +1,40 @@
-"""Check of the GDN ops of one layer: verify, decode, snapshot and the non-align commit."""
+"""Check of the GDN or KDA ops of one layer: verify, decode, snapshot and the non-align commit."""
 from __future__ import annotations
 
 import random
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 import recoverssm as rs
 
-from .problems import GdnCase, GdnProblem, i32, prefix
+from .problems import RecurrenceCase, RecurrenceProblem, i32, prefix
 from .report import REF, TOL, Report
 
+#: the ops of each kind of recurrence, by mode
+OPS: dict[str, dict[str, Callable[..., torch.Tensor]]] = {
+    "gdn": {"verify": rs.gdn_verify, "decode": rs.gdn_decode, "snapshot": rs.gdn_spec_decode_snapshot},
+    "kda": {"verify": rs.kda_verify, "decode": rs.kda_decode, "snapshot": rs.kda_spec_decode_snapshot},
+}
 
-class GdnRun:
-    """Every GDN op of one problem on one backend and device; results stay on that device."""
 
-    def __init__(self, p: GdnProblem, backend: str, device: torch.device):
+class RecurrenceRun:
+    """Every op of one problem's recurrence on one backend and device; results stay on that device."""
+
+    def __init__(self, p: RecurrenceProblem, backend: str, device: torch.device):
         self.p, self.backend, self.device = p, backend, device
+        self.ops = OPS[p.case.kind]
         self.tok = p.token_inputs(device)
         self.heads = p.head_inputs(device)
         self.si = i32(p.sources, device)
         self.qsl = i32(p.qsl, device)
-        self.common = dict(use_qk_l2norm=p.case.l2norm, backend=backend)
+        self.common = dict(use_qk_l2norm=p.case.l2norm, backend=backend, **p.case.op_kwargs())
 
     def verify(self):
-        c = self.p.case
         state = self.p.state.to(self.device)
-        rec = rs.ReplayRecords.allocate(c.B, c.T, c.H, c.HV, c.K, c.V, device=self.device)
-        out = rs.gdn_verify(**self.tok, **self.heads, state=state, state_indices=self.si,
-                            query_start_loc=self.qsl, records=rec, **self.common)
+        rec = self.p.case.records(self.device)
+        out = self.ops["verify"](**self.tok, **self.heads, state=state, state_indices=self.si,
+                                 query_start_loc=self.qsl, records=rec, **self.common)
         return out, rec, state
 
     def decode(self, counts: Optional[Sequence[int]] = None, state: Optional[torch.Tensor] = None):
@@ -36,17 +42,15 @@ class GdnRun:
         counts = self.p.case.lengths if counts is None else counts
         tok, qsl = prefix(self.tok, self.p.qsl, counts)
         state = (self.p.state if state is None else state).to(self.device).clone()
-        out = rs.gdn_decode(**tok, **self.heads, state=state, state_indices=self.si,
-                            query_start_loc=i32(qsl, self.device), **self.common)
+        out = self.ops["decode"](**tok, **self.heads, state=state, state_indices=self.si,
+                                 query_start_loc=i32(qsl, self.device), **self.common)
         return out, state
 
     def snapshot(self):
         state = self.p.state.to(self.device).clone()
-        out = rs.gdn_spec_decode_snapshot(**self.tok, **self.heads, state=state, state_indices=self.si,
-                                          query_start_loc=self.qsl,
-                                          snapshot_slots=torch.tensor(self.p.snapshot_slots, dtype=torch.int32,
-                                                                      device=self.device),
-                                          **self.common)
+        slots = torch.tensor(self.p.snapshot_slots, dtype=torch.int32, device=self.device)
+        out = self.ops["snapshot"](**self.tok, **self.heads, state=state, state_indices=self.si,
+                                   query_start_loc=self.qsl, snapshot_slots=slots, **self.common)
         return out, state
 
     def commit(self, rec: rs.ReplayRecords):
@@ -56,7 +60,7 @@ class GdnRun:
         return state
 
 
-def record_pairs(p: GdnProblem, got: rs.ReplayRecords, want: rs.ReplayRecords):
+def record_pairs(p: RecurrenceProblem, got: rs.ReplayRecords, want: rs.ReplayRecords):
     """The records of live rows at positions ``t < len`` (the rest of the workspace is free)."""
     rows, ts = [], []
     for r in p.live_rows():
@@ -70,14 +74,16 @@ def record_pairs(p: GdnProblem, got: rs.ReplayRecords, want: rs.ReplayRecords):
     return pairs
 
 
-class GdnCheck:
-    """The items of one :class:`GdnCase`: the backend under test (``dut``) against cpu_ref
+class RecurrenceCheck:
+    """The items of one :class:`RecurrenceCase`: the backend under test (``dut``) against cpu_ref
     (``ref``) on the same problem, and against its own per-token decode."""
 
-    def __init__(self, report: Report, case: GdnCase, p: GdnProblem, backend_name: str, device: torch.device):
+    def __init__(self, report: Report, case: RecurrenceCase, p: RecurrenceProblem, backend_name: str,
+                 device: torch.device):
         self.report, self.case, self.p, self.label = report, case, p, case.label
-        self.ref = GdnRun(p, REF, torch.device("cpu"))
-        self.dut = GdnRun(p, backend_name, device)
+        self.ref = RecurrenceRun(p, REF, torch.device("cpu"))
+        self.dut = RecurrenceRun(p, backend_name, device)
+        self.kind = case.kind
         self.out_tol = TOL[case.act_dtype]
         self.state_tol = TOL[case.state_dtype]
 
@@ -85,17 +91,19 @@ class GdnCheck:
         """Returns the records ``(cpu_ref's, the backend's)`` for the commit."""
         o_ref, rec_ref, _ = self.ref.verify()
         o_dut, rec_dut, st_dut = self.dut.verify()
-        self.report.close(self.label, "gdn_verify out vs cpu_ref", [(o_dut, o_ref)], self.out_tol)
-        self.report.close(self.label, "gdn_verify records vs cpu_ref", record_pairs(self.p, rec_dut, rec_ref),
+        op = f"{self.kind}_verify"
+        self.report.close(self.label, f"{op} out vs cpu_ref", [(o_dut, o_ref)], self.out_tol)
+        self.report.close(self.label, f"{op} records vs cpu_ref", record_pairs(self.p, rec_dut, rec_ref),
                           TOL[torch.float32])
-        self.report.exact(self.label, "gdn_verify leaves state unwritten", [(st_dut, self.p.state)])
+        self.report.exact(self.label, f"{op} leaves state unwritten", [(st_dut, self.p.state)])
         return rec_ref, rec_dut
 
     def decode(self) -> None:
         o_ref, s_ref = self.ref.decode()
         o_dut, s_dut = self.dut.decode()
-        self.report.close(self.label, "gdn_decode out vs cpu_ref", [(o_dut, o_ref)], self.out_tol)
-        self.report.close(self.label, "gdn_decode state vs cpu_ref", [(s_dut, s_ref)], self.state_tol)
+        op = f"{self.kind}_decode"
+        self.report.close(self.label, f"{op} out vs cpu_ref", [(o_dut, o_ref)], self.out_tol)
+        self.report.close(self.label, f"{op} state vs cpu_ref", [(s_dut, s_ref)], self.state_tol)
 
     def snapshot(self) -> None:
         p, lengths = self.p, self.case.lengths
@@ -118,21 +126,23 @@ class GdnCheck:
         self.report.exact(self.label, "commit == own decode (bit-exact)", [(c_dut, dec)])
 
 
-def check_gdn(report: Report, case: GdnCase, backend, device: torch.device, gen: torch.Generator,
-              rng: random.Random) -> None:
-    """Every GDN op the backend has, on one random problem (``rng`` is not used here)."""
-    label, caps = case.label, backend.capabilities
+def check_recurrence(report: Report, case: RecurrenceCase, backend, device: torch.device, gen: torch.Generator,
+                     rng: random.Random) -> None:
+    """Every op of the case's recurrence the backend has, on one random problem (``rng`` is not
+    used here)."""
+    label, caps, kind = case.label, backend.capabilities, case.kind
     if case.state_dtype == torch.bfloat16 and "bf16_state" not in caps:
         report.skip(label, "all", "no bf16_state capability")
         return
-    if "gdn" not in caps:
-        report.skip(label, "all", "no gdn capability")
+    if kind not in caps:
+        report.skip(label, "all", f"no {kind} capability")
         return
-    check = GdnCheck(report, case, GdnProblem(case, gen), backend.name, device)
-    records = report.guarded(label, "gdn_verify", check.verify)
-    report.guarded(label, "gdn_decode", check.decode)
+    check = RecurrenceCheck(report, case, RecurrenceProblem(case, gen), backend.name, device)
+    records = report.guarded(label, f"{kind}_verify", check.verify)
+    report.guarded(label, f"{kind}_decode", check.decode)
     report.guarded(label, "snapshot", check.snapshot)
-    if "commit" not in caps:
-        report.skip(label, "commit", "no commit capability")
+    missing = [c for c in case.capabilities() if c not in caps]
+    if missing:
+        report.skip(label, "commit", "missing capabilities: " + ", ".join(missing))
     elif records is not None:
         report.guarded(label, "commit", lambda: check.commit(*records))
