@@ -461,10 +461,12 @@ def step_offenders(accepted: list, qsl: list, step: Step, null_slot: int, pools:
     if not all(slot_legal(s, null_slot, n) for s in step.state_indices for n in pools):
         bad.add("state_indices" + suffix)
     req = step.request_indices if step.request_indices is not None else list(range(B))
-    if step.request_indices is not None and not all(0 <= q < R for q in req):
+    # a request index <= null_slot is padding (the row commits nothing), like any other index
+    if step.request_indices is not None and not all(q <= null_slot or 0 <= q < R for q in req):
         bad.add("request_indices" + suffix)
     align = step.block_table is not None
-    if align and any(n < 0 for n in step.num_computed_tokens):
+    live = [r for r, src in enumerate(step.state_indices) if src > null_slot and 0 <= req[r] < R]
+    if align and any(step.num_computed_tokens[req[r]] < 0 for r in live):
         bad.add("num_computed_tokens" + suffix)
     if "query_start_loc" in bad:
         return bad

@@ -99,7 +99,7 @@ def test_decode_only_pool_with_history_columns_only():
 def test_decode_rejects(mutate, name):
     p = conv_problem()
     kw = dict(x=torch.randn(2, 20), conv_state=p["conv_state"], weight=p["weight"], bias=p["bias"],
-              state_indices=torch.tensor([0, 1], dtype=I32), out=torch.empty(2, 20))
+              state_indices=torch.tensor([0, 1], dtype=I32), out=torch.zeros(2, 20))
     mutate(kw)
     before = {k: v.clone() for k, v in kw.items()}
     with pytest.raises(ValueError, match=rf"^conv_decode: {name} "):

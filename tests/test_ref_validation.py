@@ -364,7 +364,9 @@ PLAN_CASES = [
     ("query_start_loc decreasing", setk("query_start_loc", lambda kw: i32([0, 3, 2, 5])), VE, "query_start_loc"),
     ("request_indices wrong length", setk("request_indices", lambda kw: i32([0, 1])), VE, "request_indices"),
     ("request_indices out of range", setk("request_indices", lambda kw: i32([0, 3, 1])), VE, "request_indices"),
-    ("request_indices negative", setk("request_indices", lambda kw: i32([0, -1, 1])), VE, "request_indices"),
+    # (a negative request index is padding with the default null_slot = -1: see test_padding_request_row)
+    ("request_indices past the requests", setk("request_indices", lambda kw: i32([0, 5, 1])), VE,
+     "request_indices"),
     ("request_indices int64", setk("request_indices", lambda kw: torch.tensor([0, 1, 2])), TE, "request_indices"),
     ("duplicate destination slots", setk("state_indices", lambda kw: i32([1, 2, 1])), VE, "state_indices"),
     ("null_slot a float", setk("null_slot", lambda kw: -1.5), TE, "null_slot"),
@@ -568,3 +570,14 @@ def test_shared_source_without_overwrite_is_allowed():
     kw["state_indices"] = i32([1, 2, 1])
     kw["snapshot_slots"] = torch.tensor([[3, 4, 5, -1], [-1] * 4, [0, -1, -1, -1]], dtype=torch.int32)
     call_snapshot(kw)
+
+
+def test_padding_request_row():
+    """A request index <= null_slot makes the row padding (the index rule): accepted by the checks,
+    nothing planned, and its request's num_accepted and num_computed_tokens are not read."""
+    kw = plan_align_base()
+    kw.update(request_indices=i32([0, -1, 2]), num_accepted=i32([2, -7, 2]),
+              num_computed_tokens=i32([3, -5, 3]))
+    plan = rs.plan_commit(**kw)
+    assert plan.as_dict()["commit_len"] == [2, 0, 2]
+    assert plan.as_dict()["final_slot"][1] == -1

@@ -92,7 +92,7 @@ def expected_layer(dut: AlignRun, layer: int, plan: dict, after_verify: tuple[to
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """The pools ``(state, conv)`` of ``layer`` that the commit must leave, from the backend's own
     decode: the final slot holds the decode of ``commit_len`` tokens from the source, the boundary
-    slot the decode of ``boundary_len`` tokens; every other slot is untouched. Conv: the contract's
+    slot the decode of ``boundary_len`` tokens; every other slot is untouched. Conv: the compaction
     rule (the history after the accepted tokens, cut from the verify window)."""
     c = dut.case
     hist = c.conv_width - 1
@@ -124,7 +124,7 @@ def check_own_decode(report: Report, label: str, dut: AlignRun, plans: list[rs.C
         state_pairs.append((dut.state[layer], want_state))
         conv_pairs.append((dut.conv[layer], want_conv))
     report.exact(label, "commit == own decode (final+boundary)", state_pairs)
-    report.exact(label, "conv compaction (contract rule)", conv_pairs)
+    report.exact(label, "conv compaction (the commit's rule)", conv_pairs)
 
 
 def check_align(report: Report, case: AlignCase, backend, device: torch.device, gen: torch.Generator,

@@ -346,16 +346,19 @@ def check_step_values(c: Checker, num_accepted, state_indices, query_start_loc, 
     qsl = c.query_start_loc("query_start_loc", query_start_loc, INT32_MAX, max_len)
     c.slots_in_range("state_indices" + suffix, state_indices, num_slots, null_slot)
     srcs = state_indices.tolist()
-    req = _request_rows(c, request_indices, len(srcs), num_accepted.shape[0], suffix)
+    req = _request_rows(c, request_indices, len(srcs), num_accepted.shape[0], null_slot, suffix)
     accepted = num_accepted.tolist()
-    _accepted_in_windows(c, accepted, srcs, req, qsl, null_slot, suffix)
+    # rows that commit: a slot and a request (padding rows and padding requests write nothing)
+    live = [r for r, src in enumerate(srcs) if src > null_slot and req[r] > null_slot]
+    _accepted_in_windows(c, accepted, live, req, qsl, suffix)
     nct = None
     if num_computed_tokens is not None:
         nct = num_computed_tokens.tolist()
-        for q, n in enumerate(nct):
-            if n < 0:
-                c.fail("num_computed_tokens" + suffix, f"entry {q} = {n} is negative")
-        _block_entries(c, block_table.tolist(), srcs, accepted, qsl, req, nct, block_size, null_slot, num_slots,
+        for r in live:
+            if nct[req[r]] < 0:
+                c.fail("num_computed_tokens" + suffix, f"entry {req[r]} = {nct[req[r]]} is negative "
+                                                       f"(the request of batch row {r})")
+        _block_entries(c, block_table.tolist(), live, accepted, qsl, req, nct, block_size, null_slot, num_slots,
                        suffix)
     plan = plan_rows(accepted, srcs, qsl, req if request_indices is not None else None,
                      None if block_table is None else block_table.tolist(), nct,
@@ -369,37 +372,39 @@ def check_step_values(c: Checker, num_accepted, state_indices, query_start_loc, 
                       writes, live_sources)
 
 
-def _request_rows(c: Checker, request_indices, B: int, num_requests: int, suffix: str) -> list[int]:
-    """Each batch row's request row (``request_indices``, else the row itself), each a request."""
+def _request_rows(c: Checker, request_indices, B: int, num_requests: int, null_slot: int,
+                  suffix: str) -> list[int]:
+    """Each batch row's request row (``request_indices``, else the row itself): a request, or
+    padding (``<= null_slot``, the index rule)."""
     if request_indices is None:
         return list(range(B))
     req = request_indices.tolist()
     for r, q in enumerate(req):
-        if not is_request(q, num_requests):
-            c.fail("request_indices" + suffix, f"entry {r} = {q} is not a request row in [0, {num_requests})")
+        if q > null_slot and not is_request(q, num_requests):
+            c.fail("request_indices" + suffix, f"entry {r} = {q} is neither a padding value (<= null_slot = "
+                                               f"{null_slot}) nor a request row in [0, {num_requests})")
     return req
 
 
-def _accepted_in_windows(c: Checker, accepted: list, srcs: list, req: list, qsl: list, null_slot: int,
-                         suffix: str) -> None:
+def _accepted_in_windows(c: Checker, accepted: list, live: list, req: list, qsl: list, suffix: str) -> None:
     """Each live row's ``num_accepted`` lies in ``[0, len]`` of its window."""
-    for r, src in enumerate(srcs):
+    for r in live:
         length = qsl[r + 1] - qsl[r]
-        if src > null_slot and not 0 <= accepted[req[r]] <= length:
+        if not 0 <= accepted[req[r]] <= length:
             c.fail("num_accepted", f"entry {req[r]} = {accepted[req[r]]} is outside [0, {length}], "
                                    f"the window of batch row {r}" + (f" of group{suffix}" if suffix else ""))
 
 
-def _block_entries(c: Checker, table: list, srcs: list, accepted: list, qsl: list, req: list, nct: list,
+def _block_entries(c: Checker, table: list, live: list, accepted: list, qsl: list, req: list, nct: list,
                    block_size: int, null_slot: int, num_slots: int, suffix: str) -> None:
     """The block-table entries a commit reads (each live row's final block, and the block of its
     first token when the window crosses a block boundary) are padding or slots, and the final
     block lies within the table. Entries no row reads may hold anything."""
     width = len(table[0]) if table else 0
-    for r, src in enumerate(srcs):
+    for r in live:
         q = req[r]
         n = min(accepted[q], qsl[r + 1] - qsl[r])
-        if src <= null_slot or n <= 0:
+        if n <= 0:
             continue
         last = (nct[q] + n - 1) // block_size
         if last >= width:

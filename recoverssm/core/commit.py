@@ -245,6 +245,9 @@ def _layer_tensors(name: str, where: str, group: int, layer) -> LayerTensors:
                          f"{where}.records.decay": rec.decay})
     if not isinstance(layer.state, torch.Tensor):
         raise TypeError(f"{name}: {where}.state must be a torch.Tensor, got {type(layer.state).__name__}")
+    if layer.conv_state is not None and layer.conv_width is None:
+        raise ValueError(f"{name}: {where}.conv_width must be the conv kernel's width (an int >= 1) when a "
+                         "conv_state is given, got None")
     width = layer.conv_width if layer.conv_width is not None else 0
     return LayerTensors(layer.state, rec.correction, rec.key, rec.decay, layer.conv_state, width, group)
 

@@ -8,7 +8,7 @@ conv, whose pools hold the history only (``[requests, conv_dim, width - 1]``):
 * ``conv="kernel"``: the backend's ``rs.conv_decode``, as an engine's decode step runs it (output
   and history shift in one op). Its history is bit-exact to ``conv_verify`` + commit, and its
   output is ``conv_verify``'s because the fp32 conv state holds the fp32 inputs exactly.
-* ``conv="torch"``: the conv written out in plain PyTorch from the contract's formula
+* ``conv="torch"``: the conv written out in plain PyTorch from the formula of docs/API.md
   (``y = silu(bias + sum_j w[:, j] * seq[j])``, fp32, taps in order ``j = 0 .. width-1``,
   then the window shifts by one). These are the same elementwise fp32 operations, in the same
   order, as the ``cpu_ref`` kernel, so on ``cpu_ref`` the outputs agree bit for bit without

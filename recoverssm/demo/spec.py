@@ -28,7 +28,7 @@ from .model import TinyModel
 
 @dataclass
 class GroupPlan:
-    """One group's commit plan, on the host: lists over requests (section 4 of the contract)."""
+    """One group's commit plan, on the host: lists over requests (the plan rule, core/plan.py)."""
 
     commit_len: list[int]
     final_slot: list[int]

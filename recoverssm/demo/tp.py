@@ -19,10 +19,11 @@ Everything else (embedding, norms, MLP, LM head, sampling, the draft) is replica
 **What is checked, on every rank.** The whole single-process demo loop (:func:`.run.run_demo`) runs
 on each rank with the sharded model: the speculative path's committed states and conv histories
 are compared with ``torch.equal`` to that rank's OWN per-token path (``rs.gdn_decode`` or
-``rs.kda_decode`` on the same shard, the same all-reduces), every accepted position's logits too, and the prefix-cache blocks at
-the end. The reference is the sharded model, not the single-process one: an all-reduce of partial
-out-projections rounds differently from one matmul over all heads, so a TP run and a single-process
-run legitimately differ in the last bits (and may, rarely, pick other greedy tokens).
+``rs.kda_decode`` on the same shard, the same all-reduces), every accepted position's logits too,
+and the prefix-cache blocks at the end. The reference is the sharded model, not the
+single-process one: an all-reduce of partial out-projections rounds differently from one matmul
+over all heads, so a TP run and a single-process run legitimately differ in the last bits (and
+may, rarely, pick other greedy tokens).
 
 **Across ranks.** Every logits call all-gathers the greedy tokens (argmax) and compares them: the
 replicated part of the model must give every rank the same tokens, or the ranks would take different
