@@ -61,7 +61,7 @@ def check_decode_against_verify(report: Report, p: ConvProblem, backend, device:
                                 decoded: tuple[torch.Tensor, torch.Tensor]) -> None:
     """Bit-exact, the backend against itself: ``n`` decodes leave in each live slot the history
     that ``conv_verify`` of the ``n`` tokens leaves for a commit of all of them (its window columns
-    ``[n, n + history)``, the contract's compaction rule); and, where the pool's dtype holds the
+    ``[n, n + history)``, the commit's compaction rule); and, where the pool's dtype holds the
     inputs exactly, the decode outputs are verify's."""
     case, label = p.case, p.case.label
     hist, n = case.width - 1, case.T
