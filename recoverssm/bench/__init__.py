@@ -29,13 +29,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer shapes (a smoke run)")
     ap.add_argument("--no-fla", action="store_true", help="skip flash-linear-attention even if installed")
     ap.add_argument("--only", default="", help="comma-separated suites: commit,verify,kda,graph,host,memory,model")
+    ap.add_argument("--geometry", default="", help="comma-separated model geometries of the model suite (default: all)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("recoverssm bench needs a CUDA GPU (it times the cuda backend's kernels)", file=sys.stderr)
         return 2
     os.makedirs(args.out, exist_ok=True)
     results = suites.run_all(quick=args.quick, fla=not args.no_fla,
-                             only=[s for s in args.only.split(",") if s])
+                             only=[s for s in args.only.split(",") if s],
+                             geometries=[g for g in args.geometry.split(",") if g])
     with open(os.path.join(args.out, "bench.json"), "w") as f:
         json.dump(results, f, indent=1)
     print(suites.render(results))

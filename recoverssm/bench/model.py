@@ -121,14 +121,20 @@ class Case:
         return f"{self.geometry.name} TP={self.tp} {DTYPE_NAMES[self.state_dtype]} N={self.N} T={self.T}"
 
 
-def grid(quick: bool = False) -> list[Case]:
+def grid(quick: bool = False, geometries: Sequence[str] = ()) -> list[Case]:
     """The suite's cases. Full: every geometry, TP, state dtype, ``T`` and ``N`` (324 cases).
-    Quick: Qwen3-Next at TP = 1, both state dtypes, N = 8 and 64, T = 4 and 8, and one KDA case."""
+    Quick: Qwen3-Next at TP = 1, both state dtypes, N = 8 and 64, T = 4 and 8, and one KDA case.
+    ``geometries``: names (``Geometry.name``) to keep; empty keeps all."""
     if quick:
         cases = [Case(QWEN3_NEXT, 1, dtype, N, T) for dtype in STATE_DTYPES for T in (4, 8) for N in (8, 64)]
-        return cases + [Case(KIMI_LINEAR, 1, torch.float32, 64, 4)]
-    return [Case(g, tp, dtype, N, T) for g in GEOMETRIES for tp in TPS for dtype in STATE_DTYPES
-            for T in TS for N in NS]
+        cases += [Case(KIMI_LINEAR, 1, torch.float32, 64, 4)]
+    else:
+        cases = [Case(g, tp, dtype, N, T) for g in GEOMETRIES for tp in TPS for dtype in STATE_DTYPES
+                 for T in TS for N in NS]
+    unknown = set(geometries) - {g.name for g in GEOMETRIES}
+    if unknown:
+        raise ValueError(f"unknown model geometry {sorted(unknown)}; known: {[g.name for g in GEOMETRIES]}")
+    return [c for c in cases if not geometries or c.geometry.name in geometries]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -642,13 +648,13 @@ def summarize(rows: Sequence[dict], cases: Sequence[Case], fit_budget: int, byte
 
 
 def bench_model(ceiling: CopyCeiling, quick: bool, progress: ProgressBar,
-                time_limit_s: Optional[float] = None) -> dict:
+                time_limit_s: Optional[float] = None, geometries: Sequence[str] = ()) -> dict:
     """The model suite on the CUDA GPU: every case of :func:`grid` (time limit: ``time_limit_s``,
     default :data:`TIME_LIMIT_S`), the memory rows, the targets."""
     limit = TIME_LIMIT_S[quick] if time_limit_s is None else time_limit_s
     bytes_per_us = ceiling.tbps(GiB) * 1e6
     budget = fit_budget_bytes()
-    cases = grid(quick)
+    cases = grid(quick, geometries)
     start = time.perf_counter()
     rows = run_cases(cases, bytes_per_us, budget, progress, limit)
     return summarize(rows, cases, budget, bytes_per_us, limit, time.perf_counter() - start)

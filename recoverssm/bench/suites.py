@@ -213,12 +213,12 @@ def bench_memory() -> list[dict]:
     return rows
 
 
-def run_all(quick: bool = False, fla: bool = True, only: list[str] = ()) -> dict:
+def run_all(quick: bool = False, fla: bool = True, only: list[str] = (), geometries: list[str] = ()) -> dict:
     torch.manual_seed(0)
     ceiling = CopyCeiling("cuda")
     want = lambda s: not only or s in only  # noqa: E731
     n_verify = (2 if quick else 2 * 3 * 4) if want("verify") else 0
-    n_model = len(model.grid(quick)) if want("model") else 0
+    n_model = len(model.grid(quick, geometries)) if want("model") else 0
     n_kda = len(kda.grid(quick)) if want("kda") else 0
     cases = (1 if quick else 4) * want("commit") + n_verify + n_kda + 2 * want("graph") + want("host") + n_model
     progress = ProgressBar(cases, "bench")
@@ -238,7 +238,7 @@ def run_all(quick: bool = False, fla: bool = True, only: list[str] = ()) -> dict
         if want("host"):
             result["rows"] += bench_host(progress)
         if want("model"):
-            result["model"] = model.bench_model(ceiling, quick, progress)
+            result["model"] = model.bench_model(ceiling, quick, progress, geometries=geometries)
     if want("memory"):
         result["rows"] += bench_memory()
     return result
