@@ -16,6 +16,7 @@ Two ways to build a GDN :class:`Problem`:
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -25,6 +26,19 @@ import recoverssm as rs
 
 F32, BF16 = torch.float32, torch.bfloat16
 I32 = torch.int32
+
+
+def backends() -> list:
+    """The backends whose kernels run here: ``cpu_ref``, and ``cuda`` on a GPU or under the interpreter."""
+    names = ["cpu_ref"]
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or torch.cuda.is_available():
+        names.append("cuda")
+    return names
+
+
+def device_of(backend: str) -> str:
+    """The device of a backend's tensors: the GPU for ``cuda`` where one is present, else the CPU."""
+    return "cuda" if backend == "cuda" and torch.cuda.is_available() else "cpu"
 
 
 def i32(values) -> torch.Tensor:

@@ -5,7 +5,6 @@ interpreter or on a GPU), the per-case rows with the timers replaced, the target
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -14,20 +13,11 @@ from recoverssm import bench
 from recoverssm.bench import model as M
 from recoverssm.console import ProgressBar
 
+from helpers import backends, device_of
+
 F32, BF16 = torch.float32, torch.bfloat16
 TINY_GDN = M.Geometry("tiny-gdn", "gdn", layers=2, H=2, HV=4, K=16, V=16)
 TINY_KDA = M.Geometry("tiny-kda", "kda", layers=2, H=2, HV=2, K=16, V=16)
-
-
-def backends() -> list:
-    names = ["cpu_ref"]
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or torch.cuda.is_available():
-        names.append("cuda")
-    return names
-
-
-def device_of(backend: str) -> str:
-    return "cuda" if backend == "cuda" and torch.cuda.is_available() else "cpu"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -3,25 +3,15 @@ state that conv_verify of the n tokens plus a commit leaves, and its output is c
 a one-token window."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
 import recoverssm as rs
 
+from helpers import backends, device_of
+
 I32 = torch.int32
-
-
-def backends() -> list:
-    names = ["cpu_ref"]
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or torch.cuda.is_available():
-        names.append("cuda")
-    return names
-
-
-def device_of(backend: str) -> str:
-    return "cuda" if backend == "cuda" and torch.cuda.is_available() else "cpu"
 
 
 def conv_problem(num_slots=6, dim=20, width=4, window=4, dtype=torch.float32, state_dtype=torch.float32, seed=0,

@@ -4,29 +4,15 @@ align mode), and the records kinds kept apart. Runs on ``cpu_ref`` and, under th
 on a GPU), on the shared Triton kernel."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
 import recoverssm as rs
 
+from helpers import backends, device_of, qsl_of
+
 F32, BF16, I32 = torch.float32, torch.bfloat16, torch.int32
-
-
-def backends() -> list:
-    names = ["cpu_ref"]
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or torch.cuda.is_available():
-        names.append("cuda")
-    return names
-
-
-def device_of(backend: str) -> str:
-    return "cuda" if backend == "cuda" and torch.cuda.is_available() else "cpu"
-
-
-def qsl_of(lens) -> torch.Tensor:
-    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=I32)
 
 
 def kda_problem(lens, slots, *, H=2, HV=4, K=16, V=8, num_slots=8, seed=0, state_dtype=F32, gate_form="raw",

@@ -4,27 +4,17 @@ on a GPU), and a multi-layer speculative step that compiles with ``fullgraph=Tru
 eager bits, records included."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
 import recoverssm as rs
 
+from helpers import backends, device_of
+
 I32 = torch.int32
 H, HV, K, V, WIDTH = 2, 4, 16, 8, 4
 DIM = 2 * H * K + HV * V
-
-
-def backends() -> list:
-    names = ["cpu_ref"]
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or torch.cuda.is_available():
-        names.append("cuda")
-    return names
-
-
-def device_of(backend: str) -> str:
-    return "cuda" if backend == "cuda" and torch.cuda.is_available() else "cpu"
 
 
 WRITES = {

@@ -7,7 +7,6 @@ activations, raw per-channel gates computed in the kernels (``a`` ``[T, HV, K]``
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -15,44 +14,19 @@ import torch
 import recoverssm as rs
 from recoverssm.console import ProgressBar
 
+from .problems import Window
 from .rows import row
 from .timing import CopyCeiling, copies_for, median_us
 
 K = V = 128
 
 
-@dataclass
-class KdaWindow:
-    """One KDA layer's verify inputs for ``N`` rows of ``T`` tokens, its pool and records."""
-
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    a: torch.Tensor
-    b: torch.Tensor
-    A_log: torch.Tensor
-    dt_bias: torch.Tensor
-    state: torch.Tensor
-    state_indices: torch.Tensor
-    query_start_loc: torch.Tensor
-    records: rs.ReplayRecords
-    N: int
-    T: int
-
-    def gates(self) -> dict:
-        return dict(a=self.a, b=self.b, A_log=self.A_log, dt_bias=self.dt_bias)
-
-    def verify(self):
-        return rs.kda_verify(self.q, self.k, self.v, state=self.state, state_indices=self.state_indices,
-                             query_start_loc=self.query_start_loc, records=self.records, **self.gates())
-
-
-def kda_window(N: int, T: int, HV: int, *, seed: int = 0, device: str = "cuda") -> KdaWindow:
+def kda_window(N: int, T: int, HV: int, *, seed: int = 0, device: str = "cuda") -> Window:
     g = torch.Generator(device=device).manual_seed(seed)
     kw = dict(device=device, generator=g)
     total = N * T
     bf16 = torch.bfloat16
-    return KdaWindow(
+    return Window(
         q=torch.randn(total, HV, K, **kw).to(bf16), k=torch.randn(total, HV, K, **kw).to(bf16),
         v=torch.randn(total, HV, V, **kw).to(bf16), a=torch.randn(total, HV, K, **kw).to(bf16),
         b=torch.randn(total, HV, **kw).to(bf16), A_log=torch.randn(HV, **kw) * 0.5,
@@ -60,10 +34,11 @@ def kda_window(N: int, T: int, HV: int, *, seed: int = 0, device: str = "cuda") 
         state=torch.randn(N * (T + 1), HV, V, K, **kw) * 0.1,
         state_indices=torch.arange(N, dtype=torch.int32, device=device),
         query_start_loc=torch.arange(0, (N + 1) * T, T, dtype=torch.int32, device=device),
-        records=rs.ReplayRecords.allocate(N, T, HV, HV, K, V, device=device, vector_decay=True), N=N, T=T)
+        records=rs.ReplayRecords.allocate(N, T, HV, HV, K, V, device=device, vector_decay=True), N=N, T=T,
+        family="kda")
 
 
-def _fla_kda_call(w: KdaWindow, fla_fn) -> Callable[[], object]:
+def _fla_kda_call(w: Window, fla_fn) -> Callable[[], object]:
     """flash-linear-attention's fused recurrent KDA on the same window: gates, l2 norm and beta's
     sigmoid in its kernel, the state ``[V, K]`` (``state_v_first``) read from the first N slots."""
     N, T, HV = w.N, w.T, w.q.shape[1]

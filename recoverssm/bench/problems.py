@@ -10,7 +10,10 @@ import recoverssm as rs
 
 @dataclass
 class Window:
-    """One layer's verify inputs for ``N`` rows of ``T`` tokens (bf16 activations, raw gates)."""
+    """One layer's verify inputs for ``N`` rows of ``T`` tokens (bf16 activations, raw gates).
+
+    ``family`` is ``"gdn"`` (scalar decay, ``a`` ``[T, HV]``) or ``"kda"`` (per-channel decay,
+    ``a`` ``[T, HV, K]``, vector-decay records); it picks the verify op."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -25,14 +28,16 @@ class Window:
     records: rs.ReplayRecords
     N: int
     T: int
+    family: str = "gdn"
 
     def gates(self) -> dict:
         return dict(a=self.a, b=self.b, A_log=self.A_log, dt_bias=self.dt_bias)
 
     def verify(self, backend: str = "cuda"):
-        return rs.gdn_verify(self.q, self.k, self.v, state=self.state, state_indices=self.state_indices,
-                             query_start_loc=self.query_start_loc, records=self.records,
-                             backend=backend, **self.gates())
+        op = rs.gdn_verify if self.family == "gdn" else rs.kda_verify
+        return op(self.q, self.k, self.v, state=self.state, state_indices=self.state_indices,
+              query_start_loc=self.query_start_loc, records=self.records,
+              backend=backend, **self.gates())
 
 
 def window(N: int, T: int, H: int, HV: int, K: int, V: int, *, state_dtype=torch.float32,
