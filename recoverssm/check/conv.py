@@ -3,6 +3,7 @@ states (pure copies) exact; and ``conv_decode`` against the backend's own ``conv
 from __future__ import annotations
 
 import random
+from typing import Optional
 
 import torch
 
@@ -40,21 +41,29 @@ def run_conv_decode(p: ConvProblem, backend_name: str, device: torch.device
     return torch.stack(outs, dim=1).flatten(0, 1), cs
 
 
+def against_reference(report: Report, case, backend, device: torch.device, gen: torch.Generator, op: str,
+                      run) -> Optional[tuple[ConvProblem, tuple[torch.Tensor, torch.Tensor]]]:
+    """Run ``op`` (``run(problem, backend_name, device)``) on one random problem with cpu_ref and
+    the backend; report the output within tolerance and the conv state bit for bit. Returns the
+    problem and the backend's ``(out, conv_state)``, or None where the op did not run."""
+    label = case.label
+    if op not in backend.capabilities:
+        report.skip(label, op, f"no {op} capability")
+        return None
+    p = ConvProblem(case, gen)
+    results = report.guarded(label, op, lambda: (run(p, REF, torch.device("cpu")), run(p, backend.name, device)))
+    if results is None:
+        return None
+    (y_ref, cs_ref), (y_dut, cs_dut) = results
+    report.close(label, f"{op} out vs cpu_ref", [(y_dut, y_ref)], TOL[case.act_dtype])
+    report.exact(label, f"{op} conv_state vs cpu_ref", [(cs_dut, cs_ref)])
+    return p, (y_dut, cs_dut)
+
+
 def check_conv(report: Report, case: ConvCase, backend, device: torch.device, gen: torch.Generator,
                rng: random.Random) -> None:
     """``conv_verify`` on one random problem (``rng`` is not used here)."""
-    label = case.label
-    if "conv_verify" not in backend.capabilities:
-        report.skip(label, "conv_verify", "no conv_verify capability")
-        return
-    p = ConvProblem(case, gen)
-    results = report.guarded(label, "conv_verify", lambda: (run_conv(p, REF, torch.device("cpu")),
-                                                            run_conv(p, backend.name, device)))
-    if results is None:
-        return
-    (y_ref, cs_ref), (y_dut, cs_dut) = results
-    report.close(label, "conv_verify out vs cpu_ref", [(y_dut, y_ref)], TOL[case.act_dtype])
-    report.exact(label, "conv_verify conv_state vs cpu_ref", [(cs_dut, cs_ref)])
+    against_reference(report, case, backend, device, gen, "conv_verify", run_conv)
 
 
 def check_decode_against_verify(report: Report, p: ConvProblem, backend, device: torch.device,
@@ -78,20 +87,12 @@ def check_conv_decode(report: Report, case: ConvDecodeCase, backend, device: tor
                       gen: torch.Generator, rng: random.Random) -> None:
     """``conv_decode`` on one random problem, against cpu_ref and the backend's own
     ``conv_verify`` (``rng`` is not used here)."""
-    label = case.label
-    if "conv_decode" not in backend.capabilities:
-        report.skip(label, "conv_decode", "no conv_decode capability")
+    ran = against_reference(report, case, backend, device, gen, "conv_decode", run_conv_decode)
+    if ran is None:
         return
-    p = ConvProblem(case, gen)
-    results = report.guarded(label, "conv_decode", lambda: (run_conv_decode(p, REF, torch.device("cpu")),
-                                                            run_conv_decode(p, backend.name, device)))
-    if results is None:
-        return
-    (y_ref, cs_ref), (y_dut, cs_dut) = results
-    report.close(label, "conv_decode out vs cpu_ref", [(y_dut, y_ref)], TOL[case.act_dtype])
-    report.exact(label, "conv_decode conv_state vs cpu_ref", [(cs_dut, cs_ref)])
+    p, decoded = ran
     if "conv_verify" not in backend.capabilities:
-        report.skip(label, "conv_decode vs own conv_verify", "no conv_verify capability")
+        report.skip(case.label, "conv_decode vs own conv_verify", "no conv_verify capability")
         return
-    report.guarded(label, "conv_decode vs own conv_verify",
-                   lambda: check_decode_against_verify(report, p, backend, device, (y_dut, cs_dut)))
+    report.guarded(case.label, "conv_decode vs own conv_verify",
+                   lambda: check_decode_against_verify(report, p, backend, device, decoded))
