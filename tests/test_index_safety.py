@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import pytest
 import torch
@@ -92,6 +92,65 @@ def run_property(body, name: str, backend: str, shrink: Optional[bool] = None) -
 
 def backend(name: str):
     return rs.get_backend(name)
+
+
+@dataclass(frozen=True)
+class OpFamily:
+    """How the tests drive one family of ops (the recurrence, the short conv, the commit): fresh
+    output buffers for a case, the kernel-facing call, the public-API call, the padding checks of
+    one run (returning what ``compare`` needs) and the comparison of a run against cpu_ref's."""
+
+    new_run: Callable
+    call_kernel: Callable
+    call_api: Callable
+    check_run: Callable
+    compare: Callable
+    api_name: Callable        # case -> the name the API's errors start with
+
+
+def kernels_follow_padding(fam: OpFamily, c, name: str) -> list:
+    """cpu_ref's kernel-facing call and ``name``'s follow the padding semantics, ``name``'s run
+    equals cpu_ref's, and no input changes. Returns cpu_ref's ``check_run`` result."""
+    inputs = Snapshot(c.inputs())
+    ref = fam.new_run(c)
+    fam.call_kernel(c, ref, "cpu_ref")
+    single = fam.check_run(c, ref, "cpu_ref")
+    run = fam.new_run(c)
+    fam.call_kernel(c, run, name)
+    fam.check_run(c, run, name)
+    fam.compare(c, run, ref, single)
+    inputs.assert_unchanged("an input changed: ")
+    return single
+
+
+def api_follows_the_rule(fam: OpFamily, c, name: str, offenders: set, check: Optional[bool]) -> None:
+    """The API refuses the case naming one of ``offenders`` and writes nothing, or (none) accepts
+    it and writes what the backend's kernel-facing call writes."""
+    run = fam.new_run(c)
+    everything = Snapshot({**c.inputs(), **run.buffers()})
+    op = fam.api_name(c)
+    if not expect_outcome(lambda: fam.call_api(c, run, name, check), op, offenders, everything):
+        return
+    single = fam.check_run(c, run, f"{op}({name})")
+    ref = fam.new_run(c)
+    fam.call_kernel(c, ref, "cpu_ref")
+    if name == "cpu_ref":
+        for key, buf in run.buffers().items():
+            assert_same_bits(buf, ref.buffers()[key], f"the API and the backend differ in {key}")
+    else:
+        fam.compare(c, run, ref, single)
+
+
+def api_refuses(fam: OpFamily, c, name: str, culprit: str) -> None:
+    """The API refuses the case with an error that starts with its name and ``culprit``, having
+    written nothing."""
+    run = fam.new_run(c)
+    everything = Snapshot({**c.inputs(), **run.buffers()})
+    op = fam.api_name(c)
+    with pytest.raises(ValueError) as err:
+        fam.call_api(c, run, name)
+    assert str(err.value).startswith(f"{op}: {culprit} "), str(err.value)
+    everything.assert_unchanged(f"{op} raised, but wrote ")
 
 
 # ================================================================================================
@@ -289,6 +348,10 @@ def compare_recurrence(c: RecurrenceCase, run: RecurrenceRun, ref: RecurrenceRun
         assert_close_rel(a.view, b.view, f"records.{name}")
 
 
+RECURRENCE = OpFamily(RecurrenceRun, call_recurrence_kernel, call_recurrence_api, check_recurrence_run,
+                      compare_recurrence, lambda c: c.op)
+
+
 RECURRENCE_KERNEL_CASES = [("gdn", "verify"), ("gdn", "decode"), ("gdn", "snapshot"), ("kda", "verify"),
                            ("kda", "snapshot")]
 
@@ -297,17 +360,7 @@ RECURRENCE_KERNEL_CASES = [("gdn", "verify"), ("gdn", "decode"), ("gdn", "snapsh
 @pytest.mark.parametrize("kind,mode", RECURRENCE_KERNEL_CASES)
 def test_recurrence_kernels_treat_bad_indices_as_padding(name, kind, mode):
     def body(draw):
-        c = draw_recurrence(draw, kind, mode)
-        inputs = Snapshot(c.inputs())
-        ref = RecurrenceRun(c)
-        call_recurrence_kernel(c, ref, "cpu_ref")
-        single = check_recurrence_run(c, ref, "cpu_ref")
-        if name != "cpu_ref":
-            run = RecurrenceRun(c)
-            call_recurrence_kernel(c, run, name)
-            check_recurrence_run(c, run, name)
-            compare_recurrence(c, run, ref, single)
-        inputs.assert_unchanged("an input changed: ")
+        kernels_follow_padding(RECURRENCE, draw_recurrence(draw, kind, mode), name)
 
     run_property(body, "recurrence_kernels", name)
 
@@ -318,18 +371,7 @@ def test_recurrence_api_refuses_bad_values_and_writes_nothing(name, kind, mode):
     def body(draw):
         c = draw_recurrence(draw, kind, mode)
         bad = recurrence_offenders(c.mode, c.slots, c.qsl, c.T, c.num_slots, c.null_slot, c.window, c.snaps)
-        run = RecurrenceRun(c)
-        everything = Snapshot({**c.inputs(), **run.buffers()})
-        check = draw(st.sampled_from(CHECK_FLAGS))
-        if expect_outcome(lambda: call_recurrence_api(c, run, name, check), c.op, bad, everything):
-            single = check_recurrence_run(c, run, f"{c.op}({name})")
-            ref = RecurrenceRun(c)
-            call_recurrence_kernel(c, ref, "cpu_ref")
-            if name == "cpu_ref":
-                for key, buf in run.buffers().items():
-                    assert_same_bits(buf, ref.buffers()[key], f"the API and the backend differ in {key}")
-            else:
-                compare_recurrence(c, run, ref, single)
+        api_follows_the_rule(RECURRENCE, c, name, bad, draw(st.sampled_from(CHECK_FLAGS)))
 
     run_property(body, "recurrence_api", name)
 
@@ -470,21 +512,14 @@ def compare_conv(c: ConvCase, run: ConvRun, ref: ConvRun, single: list) -> None:
         assert_close_rel(run.out.view[idx].float(), ref.out.view[idx].float(), "conv out", ulp_bf16=c.x.dtype == BF16)
 
 
+CONV = OpFamily(ConvRun, call_conv_kernel, call_conv_api, check_conv_run, compare_conv, lambda c: c.op)
+
+
 @pytest.mark.parametrize("name", BACKENDS)
 @pytest.mark.parametrize("mode", ["verify", "decode"])
 def test_conv_kernels_treat_bad_indices_as_padding(name, mode):
     def body(draw):
-        c = draw_conv(draw, mode)
-        inputs = Snapshot(c.inputs())
-        ref = ConvRun(c)
-        call_conv_kernel(c, ref, "cpu_ref")
-        single = check_conv_run(c, ref, "cpu_ref")
-        if name != "cpu_ref":
-            run = ConvRun(c)
-            call_conv_kernel(c, run, name)
-            check_conv_run(c, run, name)
-            compare_conv(c, run, ref, single)
-        inputs.assert_unchanged("an input changed: ")
+        kernels_follow_padding(CONV, draw_conv(draw, mode), name)
 
     run_property(body, "conv_kernels", name)
 
@@ -495,18 +530,7 @@ def test_conv_api_refuses_bad_values_and_writes_nothing(name, mode):
     def body(draw):
         c = draw_conv(draw, mode)
         bad = conv_offenders(c.slots, c.qsl, c.T, c.num_slots, c.null_slot, c.window or 0)
-        run = ConvRun(c)
-        everything = Snapshot({**c.inputs(), **run.buffers()})
-        check = draw(st.sampled_from(CHECK_FLAGS))
-        if expect_outcome(lambda: call_conv_api(c, run, name, check), c.op, bad, everything):
-            single = check_conv_run(c, run, f"{c.op}({name})")
-            ref = ConvRun(c)
-            call_conv_kernel(c, ref, "cpu_ref")
-            if name == "cpu_ref":
-                for key, buf in run.buffers().items():
-                    assert_same_bits(buf, ref.buffers()[key], f"the API and the backend differ in {key}")
-            else:
-                compare_conv(c, run, ref, single)
+        api_follows_the_rule(CONV, c, name, bad, draw(st.sampled_from(CHECK_FLAGS)))
 
     run_property(body, "conv_api", name)
 
@@ -848,20 +872,14 @@ def compare_commit(c: CommitCase, run: CommitRun, ref: CommitRun, racy: list) ->
                 assert_same_bits(mine.view, theirs.view, f"layer {i} {what} differs from cpu_ref's commit")
 
 
+COMMIT = OpFamily(CommitRun, call_commit_kernel, call_commit_api, check_commit_run, compare_commit,
+                  lambda c: "CommitContext.commit")
+
+
 @pytest.mark.parametrize("name", BACKENDS)
 def test_commit_kernels_write_only_the_planned_slots(name):
     def body(draw):
-        c = draw_commit(draw)
-        inputs = Snapshot(c.inputs())
-        ref = CommitRun(c)
-        call_commit_kernel(c, ref, "cpu_ref")
-        racy = check_commit_run(c, ref, "cpu_ref")
-        if name != "cpu_ref":
-            run = CommitRun(c)
-            call_commit_kernel(c, run, name)
-            check_commit_run(c, run, name)
-            compare_commit(c, run, ref, racy)
-        inputs.assert_unchanged("an input changed: ")
+        kernels_follow_padding(COMMIT, draw_commit(draw), name)
 
     run_property(body, "commit_kernels", name)
 
@@ -870,19 +888,7 @@ def test_commit_kernels_write_only_the_planned_slots(name):
 def test_commit_api_refuses_bad_values_and_writes_nothing(name, any_entries):
     def body(draw):
         c = draw_commit(draw, block_entries_bad=any_entries, only="blocks" if any_entries else None)
-        run = CommitRun(c)
-        everything = Snapshot({**c.inputs(), **run.buffers()})
-        check = draw(st.sampled_from(CHECK_FLAGS))
-        if expect_outcome(lambda: call_commit_api(c, run, name, check), "CommitContext.commit", c.offenders(),
-                          everything):
-            racy = check_commit_run(c, run, f"commit({name})")
-            ref = CommitRun(c)
-            call_commit_kernel(c, ref, "cpu_ref")
-            if name == "cpu_ref":
-                for key, buf in run.buffers().items():
-                    assert_same_bits(buf, ref.buffers()[key], f"the API and the backend differ in {key}")
-            else:
-                compare_commit(c, run, ref, racy)
+        api_follows_the_rule(COMMIT, c, name, c.offenders(), draw(st.sampled_from(CHECK_FLAGS)))
 
     run_property(body, "commit_api", name, shrink=False if any_entries else None)
 
@@ -937,14 +943,7 @@ def check_commit_kernels(c: CommitCase, name: str) -> None:
     """The kernel-facing commit of ``name`` writes only the rule's slots, equal to cpu_ref's bit
     for bit, and the plan kernel gives the rule's plan."""
     inputs = Snapshot(c.inputs())
-    ref = CommitRun(c)
-    call_commit_kernel(c, ref, "cpu_ref")
-    racy = check_commit_run(c, ref, "cpu_ref")
-    assert not any(racy)
-    run = CommitRun(c)
-    call_commit_kernel(c, run, name)
-    check_commit_run(c, run, name)
-    compare_commit(c, run, ref, racy)
+    assert not any(kernels_follow_padding(COMMIT, c, name))
     for g, (step, t) in enumerate(zip(c.steps, c.t)):
         outs = plan_outputs(len(step.state_indices))
         backend(name).plan_commit(c.acc_t, t["state_indices"], c.qsl_t, t["request_indices"], t["block_table"],
@@ -1072,21 +1071,8 @@ def test_slot_between_null_and_zero_in_recurrence(name, kind, mode):
             continue
         c = fixed_recurrence(kind, mode, slots, QSL_C, 9, NULL, 7, window, snap)
         assert recurrence_offenders(mode, slots, QSL_C, 9, 7, NULL, window, snap) == {culprit}
-        # kernels: padding
-        ref = RecurrenceRun(c)
-        call_recurrence_kernel(c, ref, "cpu_ref")
-        single = check_recurrence_run(c, ref, "cpu_ref")
-        run = RecurrenceRun(c)
-        call_recurrence_kernel(c, run, name)
-        check_recurrence_run(c, run, name)
-        compare_recurrence(c, run, ref, single)
-        # the API: refused, naming it, nothing written
-        run = RecurrenceRun(c)
-        everything = Snapshot({**c.inputs(), **run.buffers()})
-        with pytest.raises(ValueError) as err:
-            call_recurrence_api(c, run, name)
-        assert str(err.value).startswith(f"{c.op}: {culprit} "), str(err.value)
-        everything.assert_unchanged(f"{c.op} raised, but wrote ")
+        kernels_follow_padding(RECURRENCE, c, name)
+        api_refuses(RECURRENCE, c, name, culprit)
 
 
 @pytest.mark.parametrize("name", BACKENDS)
@@ -1095,19 +1081,8 @@ def test_slot_between_null_and_zero_in_conv(name, mode):
     qsl = QSL_C if mode == "verify" else None
     c = fixed_conv(mode, SLOTS_C, qsl, 9 if qsl else 4, NULL, 5, window=2 if qsl else None)
     assert conv_offenders(SLOTS_C, qsl, c.T, 5, NULL, 2) == {"state_indices"}
-    ref = ConvRun(c)
-    call_conv_kernel(c, ref, "cpu_ref")
-    single = check_conv_run(c, ref, "cpu_ref")
-    run = ConvRun(c)
-    call_conv_kernel(c, run, name)
-    check_conv_run(c, run, name)
-    compare_conv(c, run, ref, single)
-    run = ConvRun(c)
-    everything = Snapshot({**c.inputs(), **run.buffers()})
-    with pytest.raises(ValueError) as err:
-        call_conv_api(c, run, name)
-    assert str(err.value).startswith(f"{c.op}: state_indices "), str(err.value)
-    everything.assert_unchanged(f"{c.op} raised, but wrote ")
+    kernels_follow_padding(CONV, c, name)
+    api_refuses(CONV, c, name, "state_indices")
 
 
 @pytest.mark.parametrize("name", BACKENDS)
@@ -1117,12 +1092,7 @@ def test_slot_between_null_and_zero_in_commit(name):
     assert c.plan(0) == [(0, NULL, NULL, 0), (1, 1, NULL, 0)]
     assert c.plan(1) == [(2, 0, NULL, 0), (0, NULL, NULL, 0)]
     check_commit_kernels(c, name)
-    run = CommitRun(c)
-    everything = Snapshot({**c.inputs(), **run.buffers()})
-    with pytest.raises(ValueError) as err:
-        call_commit_api(c, run, name)
-    assert str(err.value).startswith("CommitContext.commit: state_indices[0] "), str(err.value)
-    everything.assert_unchanged("CommitContext.commit raised, but wrote ")
+    api_refuses(COMMIT, c, name, "state_indices[0]")
 
 
 # A misaligned ``out``: the Triton launcher writes the kernel's output through a packed copy of
