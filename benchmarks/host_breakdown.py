@@ -34,9 +34,7 @@ import functools
 import io
 import os
 import pstats
-import statistics
 import sys
-import time
 
 import torch
 
@@ -74,24 +72,6 @@ def register_null_backend() -> None:
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
-
-
-def host_us(call, device: str, iters: int) -> tuple[float, float]:
-    """Median ``(wall, thread CPU)`` time of one call in us, after 10 warm-up calls."""
-    for _ in range(10):
-        call()
-    sync(device)
-    wall, cpu = [], []
-    for _ in range(iters):
-        c0 = time.thread_time_ns()
-        t0 = time.perf_counter_ns()
-        call()
-        t1 = time.perf_counter_ns()
-        c1 = time.thread_time_ns()
-        wall.append((t1 - t0) / 1e3)
-        cpu.append((c1 - c0) / 1e3)
-    sync(device)
-    return statistics.median(wall), statistics.median(cpu)
 
 
 def alternating(first, second):
@@ -309,6 +289,7 @@ def main():
     else:
         rows = verify_pieces(w, backend, out) + commit_pieces(step, ctx, index_sets, backend) + [reference]
     import recoverssm
+    from recoverssm.bench.timing import host_times
     print(f"host time per call, median of {args.iters} (us): wall / thread CPU; device {args.device}, "
           f"backend {backend}; recoverssm from {os.path.dirname(os.path.dirname(recoverssm.__file__))}, "
           f"torch {torch.__version__}, python {sys.version.split()[0]}")
@@ -317,7 +298,8 @@ def main():
         if g != group:
             print(f"-- {g}")
             group = g
-        wall, cpu = host_us(call, args.device, args.iters)
+        t = host_times(call, args.iters, device=args.device)
+        wall, cpu = t["wall_us"], t["cpu_us"]
         times[(g, name)] = (wall, cpu)
         print(f"  {name:82s} {wall:8.2f} / {cpu:8.2f}", flush=True)
     if not args.whole:
