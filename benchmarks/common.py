@@ -30,6 +30,17 @@ def add_tiny_arg(ap) -> None:
                          "without a GPU (the times are the interpreter's, not kernel times)")
 
 
+def add_config_args(ap, base_help: str) -> None:
+    """The arguments every tuning script takes: the configurations (``--grid``, ``--sweep``), the
+    spec their fields replace (``--base``) and the passes over them (``--repeat``)."""
+    ap.add_argument("--grid", help="configurations: 'FIELD=V,FIELD=V;FIELD=V' (';' between configurations, "
+                                   "an empty one is the base spec)")
+    ap.add_argument("--sweep", action="append", default=[], metavar="FIELD=V1,V2",
+                    help="every value of a field (repeatable: every combination), on each --grid configuration")
+    ap.add_argument("--base", choices=["table", "default"], default="table", help=base_help)
+    ap.add_argument("--repeat", type=int, default=1, help="passes over the configurations (an A/B within one run)")
+
+
 def setup_device(tiny: bool) -> str:
     """The device the script runs on: ``"cpu"`` under Triton's interpreter with ``tiny``, else
     ``"cuda"`` (which must be present). Call it before anything imports a kernel module."""

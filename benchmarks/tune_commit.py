@@ -118,14 +118,9 @@ def compile_configs(configs, base_kind: str, table, arch: int) -> None:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--grid", help="configurations: 'FIELD=V,FIELD=V;FIELD=V' (';' between configurations, "
-                                   "an empty one is the base spec)")
-    ap.add_argument("--sweep", action="append", default=[], metavar="FIELD=V1,V2",
-                    help="every value of a field (repeatable: every combination), on each --grid configuration")
-    ap.add_argument("--base", choices=["table", "default"], default="table",
-                    help="the spec the fields replace: the cuda table's for the case's state dtype, or CommitSpec()")
+    common.add_config_args(ap, "the spec the fields replace: the cuda table's for the case's state dtype, "
+                               "or CommitSpec()")
     ap.add_argument("--cases", help="only the cases whose name contains one of these comma-separated words")
-    ap.add_argument("--repeat", type=int, default=1, help="passes over the configurations (an A/B within one run)")
     common.add_tiny_arg(ap)
     common.add_compile_arg(ap)
     args = ap.parse_args()
