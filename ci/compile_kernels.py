@@ -14,13 +14,9 @@ verify skips. They depend on the Triton version; the H200 machine has Triton 3.6
 from __future__ import annotations
 
 import argparse
-import collections
 import inspect
 import os
-import re
-import subprocess
 import sys
-import tempfile
 
 import torch
 import triton
@@ -33,6 +29,9 @@ from recoverssm.backends.triton.conv import conv_decode_kernel, conv_verify_kern
 from recoverssm.backends.triton.launch import commit_specialization, recurrence_specialization
 from recoverssm.backends.triton.recurrence import recurrence_kernel
 from recoverssm.core.backend import GateInputs
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sass import first_loop_opcodes, resource_usage  # noqa: E402
 
 
 def _signature(fn, pointer_types: dict[str, str], constexprs: dict, default: str = "i32"):
@@ -56,55 +55,7 @@ def compile_one(fn, constexprs, pointer_types, options, arch):
     sig, attrs = _signature(fn, pointer_types, constexprs)
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
-    return _resource_usage(compiled.asm["cubin"]), compiled.asm["cubin"]
-
-
-def first_loop_opcodes(cubin: bytes) -> collections.Counter:
-    """Opcodes between the first backward branch's target and the branch (``nvdisasm``, shipped
-    with Triton); empty when the kernel has no loop."""
-    from triton.backends.nvidia import compiler as nv
-
-    tool = os.path.join(os.path.dirname(nv.__file__), "bin", "nvdisasm")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        text = subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=True).stdout
-    labels, code, pending = {}, [], []
-    for line in text.splitlines():
-        label = re.match(r"^(\.L_x_\d+):", line)
-        if label:
-            pending.append(label.group(1))
-            continue
-        ins = re.match(r"\s*/\*([0-9a-f]+)\*/\s+(.*)", line)
-        if ins:
-            address = int(ins.group(1), 16)
-            for name in pending:
-                labels[name] = address
-            pending = []
-            code.append((address, ins.group(2)))
-    for address, text_ in code:
-        target = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", text_)
-        if target and labels.get(target.group(1), address + 1) < address:
-            start = labels[target.group(1)]
-            return collections.Counter(
-                re.match(r"(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", t).group(1)
-                for a, t in code if start <= a <= address)
-    return collections.Counter()
-
-
-def _resource_usage(cubin: bytes) -> tuple[int, int]:
-    """Registers and spill bytes from ``cuobjdump --dump-resource-usage`` (shipped with Triton)."""
-    from triton.backends.nvidia import compiler as nv
-
-    tool = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
-                              text=True, check=True).stdout
-    regs = int(re.search(r"REG:(\d+)", text).group(1))
-    stack = int(re.search(r"STACK:(\d+)", text).group(1))
-    return regs, stack
+    return resource_usage(compiled.asm["cubin"]), compiled.asm["cubin"]
 
 
 def cases(table: LaunchTable, K=128, V=128, H=16, HV=48):

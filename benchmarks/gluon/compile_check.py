@@ -16,10 +16,7 @@ import argparse
 import collections
 import inspect
 import os
-import re
-import subprocess
 import sys
-import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -28,20 +25,11 @@ from triton.experimental.gluon._runtime import GluonASTSource
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from recurrence import VARIANTS, Variant, fit_tile, gdn_recurrent_gluon  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "ci"))
+from sass import loops, opcodes, resource_usage  # noqa: E402
+
 _INDEX_POINTERS = {"state_indices_ptr", "qsl_ptr", "snapshot_ptr"}
 _FP32_POINTERS = {"corr_ptr", "key_ptr", "decay_ptr", "A_log_ptr", "dt_bias_ptr"}
-
-
-def _tool(name: str) -> str:
-    from triton.backends.nvidia import compiler as nv
-    return os.path.join(os.path.dirname(nv.__file__), "bin", name)
-
-
-def _run_tool(name: str, args: list, cubin: bytes) -> str:
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        return subprocess.run([_tool(name), *args, f.name], capture_output=True, text=True, check=True).stdout
 
 
 def signature(state_dtype: str, token_dtype: str, gate_dtype: str, constexprs: dict):
@@ -91,40 +79,13 @@ def compile_variant(variant: Variant, state_dtype: str = "*fp32", token_dtype: s
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
-def resource_usage(cubin: bytes) -> tuple[int, int]:
-    """Registers and stack (spill) bytes from ``cuobjdump --dump-resource-usage``."""
-    text = _run_tool("cuobjdump", ["--dump-resource-usage"], cubin)
-    return int(re.search(r"REG:(\d+)", text).group(1)), int(re.search(r"STACK:(\d+)", text).group(1))
-
-
 def token_loop_opcodes(cubin: bytes) -> collections.Counter:
-    """Opcodes of the largest loop that contains no other loop (the token loop): from a backward
-    branch's target to the branch, in ``nvdisasm`` order."""
-    text = _run_tool("nvdisasm", ["-c"], cubin)
-    labels, code, pending = {}, [], []
-    for line in text.splitlines():
-        label = re.match(r"^(\.L_x_\d+):", line)
-        if label:
-            pending.append(label.group(1))
-            continue
-        ins = re.match(r"\s*/\*([0-9a-f]+)\*/\s+(.*)", line)
-        if ins:
-            address = int(ins.group(1), 16)
-            for name in pending:
-                labels[name] = address
-            pending = []
-            code.append((address, ins.group(2)))
-    spans = []
-    for address, text_ in code:
-        target = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", text_)
-        if target and labels.get(target.group(1), address + 1) < address:
-            spans.append((labels[target.group(1)], address))
+    """Opcodes of the largest loop that contains no other loop (the token loop)."""
+    code, spans = loops(cubin)
     innermost = [s for s in spans if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in spans)]
     if not innermost:
         return collections.Counter()
-    start, end = max(innermost, key=lambda s: s[1] - s[0])
-    return collections.Counter(re.match(r"(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", t).group(1)
-                               for a, t in code if start <= a <= end)
+    return opcodes(code, max(innermost, key=lambda s: s[1] - s[0]))
 
 
 def main(argv=None) -> int:
