@@ -3,7 +3,7 @@
 # commit spec): summary sections, per-SASS-instruction execution counts and stall samples. Each case
 # profiles the second of two launches (ncu_verify.py, ncu_commit.py).
 # Usage (GPU machine with ncu, repository root):
-#   bash benchmarks/ncu_run.sh "ours" "ours lanes_k=16 rows=4" "fla" "commit bf16" "commit fp32 block_v=64 warps=2"
+#   bash benchmarks/ncu_run.sh "ours" "ours lanes_k=16 rows=4" "gluon rs8x8" "fla" "commit bf16" "commit fp32 block_v=64 warps=2"
 #   -> $OUT/ncu_<case>.txt (report), .log (the script's output), _sass.csv (source page); OUT defaults to /tmp/out
 set -u
 OUT=${OUT:-/tmp/out}
@@ -16,7 +16,7 @@ for case in "$@"; do
   name=$(echo "$case" | tr ' =' '_-')
   case $case in
     commit*) script=benchmarks/ncu_commit.py; kernels="grouped_commit_kernel"; args=${case#commit } ;;
-    *) script=benchmarks/ncu_verify.py; kernels="recurrence_kernel|fused_recurrent"; args=$case ;;
+    *) script=benchmarks/ncu_verify.py; kernels="recurrence_kernel|gdn_recurrent_gluon|fused_recurrent"; args=$case ;;
   esac
   # shellcheck disable=SC2086  # $args: the case's words, one argument each
   ncu --clock-control none $SECTIONS --kernel-name regex:"$kernels" --launch-skip 1 --launch-count 1 \

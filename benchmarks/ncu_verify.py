@@ -1,6 +1,8 @@
-"""One verify launch after a warm-up one, for ncu: ours with a recurrence spec, or FLA's kernel.
+"""One verify launch after a warm-up one, for ncu: ours with a recurrence spec, the Gluon
+experiment's kernel, or FLA's kernel.
 
     python benchmarks/ncu_verify.py ours [FIELD=VALUE ...]    # e.g. ours lanes_k=16 rows=4 l2_hints=0
+    python benchmarks/ncu_verify.py gluon [VARIANT]           # benchmarks/gluon/recurrence.py (rs8x8 default)
     python benchmarks/ncu_verify.py fla                       # fla.ops.gated_delta_rule, the peer
     python benchmarks/ncu_verify.py --tiny ours rows=4        # CPU tensors, Triton's interpreter, tiny shape
 
@@ -38,11 +40,31 @@ def fla_call(w):
     return call
 
 
+def gluon_call(w, variant: str):
+    """The Gluon experiment's recurrence in verify mode over window ``w`` (sm_90 and newer)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "gluon"))
+    import recurrence as gluon_recurrence
+    from recoverssm.core.backend import GateInputs
+
+    out = torch.empty_like(w.v)
+    records = (w.records.correction, w.records.key, w.records.decay)
+
+    def call():
+        gluon_recurrence.launch("verify", w.q, w.k, w.v, w.state, w.state_indices, w.query_start_loc,
+                                GateInputs(**w.gates()), w.q.shape[2] ** -0.5, True, -1, out, records, None,
+                                variant=variant)
+    return call
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("kind", choices=["ours", "fla"])
-    ap.add_argument("fields", nargs="*", metavar="FIELD=VALUE", help="RecurrenceSpec fields (ours only)")
+    ap.add_argument("kind", choices=["ours", "gluon", "fla"])
+    ap.add_argument("fields", nargs="*", metavar="FIELD=VALUE",
+                    help="RecurrenceSpec fields (ours); the variant name (gluon)")
     common.add_tiny_arg(ap)
     args = ap.parse_args()
     device = common.setup_device(args.tiny)
@@ -58,6 +80,9 @@ def main():
         if args.fields:
             raise SystemExit("fla takes no fields")
         calls = [fla_call(w)] * 2
+        table = LAUNCH_TABLE
+    elif args.kind == "gluon":
+        calls = [gluon_call(w, args.fields[0] if args.fields else "rs8x8")] * 2
         table = LAUNCH_TABLE
     else:
         spec = dataclasses.replace(LAUNCH_TABLE.recurrence_for(torch.float32),

@@ -4,7 +4,8 @@ off, for ``compute-sanitizer --tool memcheck`` and ``--tool racecheck`` (see doc
     compute-sanitizer --tool memcheck --error-exitcode 9 python benchmarks/sanitize_case.py
     compute-sanitizer --tool racecheck --error-exitcode 9 python benchmarks/sanitize_case.py
 
-Legal: conv_verify, conv_decode, gdn_verify, kda_verify, gdn_decode, gdn_spec_decode_snapshot, an
+Legal: conv_verify, conv_decode, gdn_verify (three times each with one layout, so that the last
+calls repeat their bound launches), kda_verify, gdn_decode, gdn_spec_decode_snapshot, an
 align-mode grouped commit of two KV-cache groups with conv compaction (repeated with the same
 tensors, which repeats the bound launch), a bf16 commit and a mixed GDN + KDA commit.
 Adversarial (``check=False``: shapes are checked, values are not): slots between ``null_slot`` and
@@ -43,13 +44,15 @@ def legal_calls() -> None:
     conv_state = torch.randn(step.num_slots, 64, 3 + T, device="cuda")
     conv_in = torch.randn(R * T, 64, device="cuda")
     weight = torch.randn(64, 4, device="cuda")
-    rs.conv_verify(conv_in, conv_state, weight, None, state_indices=step.state_indices,
-                   query_start_loc=step.query_start_loc)
-    rs.conv_decode(conv_in[:R], conv_state, weight, None, state_indices=step.state_indices)
+    conv_out, decode_out, verify_out = torch.empty_like(conv_in), torch.empty_like(conv_in[:R]), torch.empty_like(w.v)
     w.state_indices.copy_(step.state_indices)
     state = torch.randn(step.num_slots, HV, V, K, device="cuda")
-    rs.gdn_verify(w.q, w.k, w.v, state=state, state_indices=w.state_indices,
-                  query_start_loc=w.query_start_loc, records=w.records, **w.gates())
+    for _ in range(3):   # the same layout again: the third calls repeat the launches bound by the second
+        rs.conv_verify(conv_in, conv_state, weight, None, state_indices=step.state_indices,
+                       query_start_loc=step.query_start_loc, out=conv_out)
+        rs.conv_decode(conv_in[:R], conv_state, weight, None, state_indices=step.state_indices, out=decode_out)
+        rs.gdn_verify(w.q, w.k, w.v, state=state, state_indices=w.state_indices,
+                      query_start_loc=w.query_start_loc, records=w.records, out=verify_out, **w.gates())
     ctx = rs.CommitContext([[rs.LayerCache(state, w.records, conv_state, conv_width=4)],
                             [rs.LayerCache(state.clone(),
                                            rs.ReplayRecords.allocate(R, T, H, HV, K, V, device="cuda"))]],
@@ -85,8 +88,9 @@ def adversarial_calls() -> None:
     w = window(R, T, H, HV, K, V)
     full_state, state = guarded(w.state[:6].clone())
     out = torch.zeros_like(w.v)
-    rs.gdn_verify(w.q, w.k, w.v, state=state, state_indices=slots, query_start_loc=qsl, records=w.records,
-                  null_slot=NULL, out=out, check=False, **w.gates())
+    for _ in range(3):   # the last call repeats the launch bound by the second
+        rs.gdn_verify(w.q, w.k, w.v, state=state, state_indices=slots, query_start_loc=qsl, records=w.records,
+                      null_slot=NULL, out=out, check=False, **w.gates())
     rs.gdn_decode(w.q, w.k, w.v, state=state, state_indices=slots, query_start_loc=qsl, null_slot=NULL, out=out,
                   check=False, **w.gates())
     snaps = torch.tensor([[NULL + 1, 9, INT32_MIN, 3]] * R, dtype=I32, device="cuda")

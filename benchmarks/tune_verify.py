@@ -3,6 +3,7 @@
     python benchmarks/tune_verify.py [--quick] [--state-dtype fp32|bf16] [--repeat N]
     python benchmarks/tune_verify.py --grid "rows=4,small_grid_programs=0;lanes_k=16"
     python benchmarks/tune_verify.py --sweep rows=2,4,8 --sweep l2_hints=0,1
+    python benchmarks/tune_verify.py --batch 1,8 --sweep small_grid_rows=1,2,4   # the small-batch shapes only
     python benchmarks/tune_verify.py --tiny          # CPU tensors, Triton's interpreter, tiny shapes
     python benchmarks/tune_verify.py --compile [--grid ...]   # no GPU: registers and spills per configuration
 
@@ -94,6 +95,7 @@ def main():
     common.add_config_args(ap, "the spec the fields replace: the cuda table's, or RecurrenceSpec()'s defaults")
     ap.add_argument("--state-dtype", choices=list(common.DTYPES), default="fp32")
     ap.add_argument("--quick", action="store_true", help="the first three configurations only")
+    ap.add_argument("--batch", default="", help="only the shapes of these N, comma-separated (e.g. 1,8)")
     common.add_tiny_arg(ap)
     common.add_compile_arg(ap)
     args = ap.parse_args()
@@ -115,6 +117,8 @@ def main():
     from recoverssm.bench.timing import CopyCeiling, copies_for
 
     h, k, v, shapes = (TINY["H"], TINY["K"], TINY["V"], TINY["shapes"]) if args.tiny else (H, K, V, SHAPES)
+    if args.batch:
+        shapes = [s for s in shapes if s[0] in {int(n) for n in args.batch.split(",")}]
     ceiling = None if args.tiny else CopyCeiling("cuda")
     element = torch.tensor([], dtype=dtype).element_size()
     wins = {}

@@ -13,6 +13,7 @@ from recoverssm.build_info import package_version, source_commit
 from recoverssm.console import ProgressBar
 from recoverssm.console import format_table
 
+from ..core.repeats import REPEATS
 from . import kda, model
 from .problems import align_step, commit_context, per_group_indices, window
 from .rows import row
@@ -164,8 +165,12 @@ def bench_graph(ceiling: CopyCeiling, progress: ProgressBar) -> list[dict]:
 
 def bench_host(progress: ProgressBar) -> list[dict]:
     """Host time of one commit call (3 groups x 6 layers, each group with its own index tensors,
-    the same every call) and one verify call (``us``: wall, ``cpu_us``: the thread's CPU time),
-    the kernels each launches, and a reference: the host time of ``torch.empty(8)`` on the GPU."""
+    the same every call) and of one call of each per-layer op (``us``: wall, ``cpu_us``: the
+    thread's CPU time), the kernels each launches, and a reference: the host time of
+    ``torch.empty(8)`` on the GPU. The per-layer ops repeat one layout, as an engine's eager
+    steps do (a repeated launch, ``core/repeats.py``); the "new layout" row is a verify call
+    whose layout the library has not seen (the cache emptied before each call): the dispatcher,
+    the checks and the launcher."""
     T, R = 4, 8
     step = align_step(R, T)
     ctx, caches = commit_context(3, 6, R, T, H, 48, K, V, step.num_slots)
@@ -185,10 +190,14 @@ def bench_host(progress: ProgressBar) -> list[dict]:
     verify = functools.partial(rs.gdn_verify, w.q, w.k, w.v, state=w.state, state_indices=w.state_indices,
                                query_start_loc=w.query_start_loc, records=w.records, out=torch.empty_like(w.v),
                                **w.gates())
+    def verify_new_layout():
+        REPEATS.clear()
+        verify()
+
     rows = []
     for case, call in (("CommitContext.commit, 3 groups x 6 layers", commit), ("gdn_verify, 1 layer", verify),
                        ("gdn_decode, 1 layer", decode), ("conv_verify, 1 layer", conv),
-                       ("conv_decode, 1 layer", conv_dec)):
+                       ("conv_decode, 1 layer", conv_dec), ("gdn_verify, 1 layer, new layout", verify_new_layout)):
         times = host_times(call)
         rows.append(dict(kind="host", case=case, us=round(times["wall_us"], 2), cpu_us=round(times["cpu_us"], 2),
                          launches=kernel_launches(call)[0]))

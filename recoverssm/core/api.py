@@ -15,6 +15,7 @@ import torch
 from .backend import Backend
 from .indices import INT32_MAX, INT32_MIN
 from .ops import op, resolve_name
+from .repeats import REPEATS
 from .types import ReplayRecords
 
 BackendArg = Union[str, Backend, None]
@@ -59,6 +60,13 @@ def _out_like(x: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
     return torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
 
 
+def _call(op_name: str, args: tuple, device: torch.device, check: Optional[bool]) -> None:
+    """Run ``torch.ops.recoverssm.<op_name>(*args)``, or, for an eager call that repeats an
+    earlier call's layout, that call's launch (``core/repeats.py``)."""
+    if not REPEATS.run(op_name, args, device, check):
+        op(op_name)(*args)
+
+
 def _records(op_name: str, records) -> ReplayRecords:
     if not isinstance(records, ReplayRecords):
         raise TypeError(f"{op_name}: records must be a ReplayRecords, got {type(records).__name__}")
@@ -91,8 +99,8 @@ def conv_verify(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
     silu = _silu(name, activation)
     check_int(name, "null_slot", null_slot)
     out = _out_like(x, out)
-    op(name)(x, conv_state, weight, bias, state_indices, query_start_loc, silu, null_slot, out,
-             resolve_name(backend), check)
+    _call(name, (x, conv_state, weight, bias, state_indices, query_start_loc, silu, null_slot, out,
+                 resolve_name(backend), check), x.device, check)
     return out
 
 
@@ -119,7 +127,8 @@ def conv_decode(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
     silu = _silu(name, activation)
     check_int(name, "null_slot", null_slot)
     out = _out_like(x, out)
-    op(name)(x, conv_state, weight, bias, state_indices, silu, null_slot, out, resolve_name(backend), check)
+    _call(name, (x, conv_state, weight, bias, state_indices, silu, null_slot, out, resolve_name(backend), check),
+          x.device, check)
     return out
 
 
@@ -175,11 +184,12 @@ def _recurrence(kind: str, mode: str, q, k, v, state, state_indices, query_start
     gate_args = (gates["a"], gates["b"], gates["A_log"], gates["dt_bias"], gates["g"], gates["beta"])
     if mode == "verify":
         rec = _records(name, records)
-        op(name)(*head, rec.correction, rec.key, rec.decay, *gate_args, *lower.values(), *tail)
+        args = (*head, rec.correction, rec.key, rec.decay, *gate_args, *lower.values(), *tail)
     elif mode == "decode":
-        op(name)(*head, *gate_args, *lower.values(), *tail)
+        args = (*head, *gate_args, *lower.values(), *tail)
     else:
-        op(name)(*head, snapshot_slots, *gate_args, *lower.values(), *tail)
+        args = (*head, snapshot_slots, *gate_args, *lower.values(), *tail)
+    _call(name, args, q.device, check)
     return out
 
 

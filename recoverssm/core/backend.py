@@ -1,17 +1,26 @@
 """The backend interface: what a backend declares and the kernel-facing functions it implements.
 
 The kernel-facing functions take tensors and scalars only, mutate only the tensors they name and
-allocate nothing. The ``torch.library`` ops (``core/ops.py``) validate their arguments
-(``core/arguments.py``), pick the backend (``core/registry.py``) and call these.
+allocate nothing. The conv and recurrence functions may return a :data:`Launch` (a repeat of
+their launch for the same layout) or ``None``; the others return nothing. The ``torch.library``
+ops (``core/ops.py``) validate their arguments (``core/arguments.py``), pick the backend
+(``core/registry.py``) and call these.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from .pointers import PointerEncoding
+
+#: What a kernel-facing function may return: its launch, bound to the addresses of the tensors it
+#: was given, to be called again (with no argument) for an eager call whose tensors have exactly
+#: that layout: the same addresses, dtypes, devices, shapes and strides, new values
+#: (``core/repeats.py``). It must hold no tensor, launch on the current stream, and return False
+#: without launching when it cannot run (the call then goes through the op).
+Launch = Callable[[], bool]
 
 
 class Backend(ABC):
@@ -66,14 +75,14 @@ class Backend(ABC):
     def conv_verify(self, x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
                     bias: Optional[torch.Tensor], state_indices: torch.Tensor,
                     query_start_loc: torch.Tensor, silu: bool, null_slot: int,
-                    out: torch.Tensor) -> None:
+                    out: torch.Tensor) -> Optional[Launch]:
         """Causal depthwise conv of each row's window; writes ``out`` and the window columns of
         ``conv_state`` (``[history, history + len)``), never the history columns."""
 
     @abstractmethod
     def conv_decode(self, x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
                     bias: Optional[torch.Tensor], state_indices: torch.Tensor, silu: bool,
-                    null_slot: int, out: torch.Tensor) -> None:
+                    null_slot: int, out: torch.Tensor) -> Optional[Launch]:
         """One token per row: writes ``out`` and shifts the history columns ``[0, history)`` of
         the row's slot by one token, the new token last."""
 
@@ -83,7 +92,7 @@ class Backend(ABC):
                    query_start_loc: torch.Tensor, gates: "GateInputs", scale: float,
                    use_qk_l2norm: bool, null_slot: int, out: torch.Tensor,
                    records: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-                   snapshot_slots: Optional[torch.Tensor]) -> None:
+                   snapshot_slots: Optional[torch.Tensor]) -> Optional[Launch]:
         """The GDN or KDA recurrence (``gates.kind``) over each row's window, in one of three modes:
 
         ``"verify"``: read the checkpoint, write ``out`` and ``records``; never write ``state``.

@@ -15,9 +15,11 @@ backends work through the ops, and a compiled graph picks its backend when it ru
 Argument checks run inside the implementation, on real tensors, also in a compiled graph: shape,
 dtype, device, stride and overlap checks always; checks of index *values* on CPU tensors always
 and on device tensors when ``check`` is true (or ``RECOVERSSM_CHECK=1``), never during CUDA
-graph capture (``core/validation.py``). The fake implementations (``torch.library.register_fake``,
-what ``torch.compile`` traces, and what a call mixing meta tensors with others reaches) run the
-same checks but those that need data (``Checker.static``), and describe the outputs.
+graph capture (``core/validation.py``). An eager call that repeats an earlier call's layout may
+skip all of this and repeat that call's launch (``core/repeats.py``). The fake implementations
+(``torch.library.register_fake``, what ``torch.compile`` traces, and what a call mixing meta
+tensors with others reaches) run the same checks but those that need data (``Checker.static``),
+and describe the outputs.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import torch
 from .arguments import check_conv, check_plan, check_recurrence
 from .backend import Backend
 from .registry import BackendError, registry
+from .repeats import REPEATABLE, REPEATS
 
 NAMESPACE = "recoverssm"
 LIB = torch.library.Library(NAMESPACE, "DEF")
@@ -89,7 +92,7 @@ def _conv_verify(x, conv_state, weight, bias, state_indices, query_start_loc, si
     if static:
         return
     be = backend_for("conv_verify", backend, conv_state.device)
-    be.conv_verify(x, conv_state, weight, bias, state_indices, query_start_loc, silu, null_slot, out)
+    return be.conv_verify(x, conv_state, weight, bias, state_indices, query_start_loc, silu, null_slot, out)
 
 
 def _conv_decode(x, conv_state, weight, bias, state_indices, silu, null_slot, out, backend, check, static=False):
@@ -97,7 +100,7 @@ def _conv_decode(x, conv_state, weight, bias, state_indices, silu, null_slot, ou
     if static:
         return
     be = backend_for("conv_decode", backend, conv_state.device)
-    be.conv_decode(x, conv_state, weight, bias, state_indices, silu, null_slot, out)
+    return be.conv_decode(x, conv_state, weight, bias, state_indices, silu, null_slot, out)
 
 
 def _recurrence(kind: str, mode: str):
@@ -115,7 +118,7 @@ def _recurrence(kind: str, mode: str):
         if static:
             return
         be = backend_for(op, backend, state.device)
-        be.recurrence(mode, q, k, v, state, state_indices, query_start_loc, args.gates, args.scale,
+        return be.recurrence(mode, q, k, v, state, state_indices, query_start_loc, args.gates, args.scale,
                       use_qk_l2norm, null_slot, out, records, snapshot_slots)
 
     return op, impl
@@ -153,13 +156,20 @@ for _kind in ("gdn", "kda"):
         IMPLEMENTATIONS[_name] = _impl
 
 
-def _by_name(fn, schema: str, static: bool):
+def _by_name(name: str, fn, schema: str, static: bool):
     """``fn`` called with the schema's arguments by name (the dispatcher passes them in order);
-    ``static``: the fake implementation (checks that need no data, no backend)."""
+    ``static``: the fake implementation (checks that need no data, no backend). The launch a
+    backend hands back from a repeatable op is kept for eager repeats of the call (``repeats.py``)."""
     names = tuple(a.name for a in torch._C.parse_schema("f" + schema).arguments)
 
-    def kernel(*args, **kwargs):
-        return fn(**dict(zip(names, args)), **kwargs, static=static)
+    if static or name not in REPEATABLE:
+        def kernel(*args, **kwargs):
+            return fn(**dict(zip(names, args)), **kwargs, static=static)
+    else:
+        def kernel(*args, **kwargs):
+            launch = fn(**dict(zip(names, args)), **kwargs)
+            if not kwargs:     # the key is built from positional arguments, as the API passes them
+                REPEATS.remember(name, args, launch)
 
     kernel.__name__ = fn.__name__
     return kernel
@@ -168,9 +178,9 @@ def _by_name(fn, schema: str, static: bool):
 def _register() -> None:
     for name, schema in SCHEMAS.items():
         LIB.define(name + schema)
-        LIB.impl(name, _by_name(IMPLEMENTATIONS[name], schema, static=False), "CompositeExplicitAutograd")
-        torch.library.register_fake(f"{NAMESPACE}::{name}", _by_name(IMPLEMENTATIONS[name], schema, static=True),
-                                    lib=LIB)
+        LIB.impl(name, _by_name(name, IMPLEMENTATIONS[name], schema, static=False), "CompositeExplicitAutograd")
+        torch.library.register_fake(f"{NAMESPACE}::{name}",
+                                    _by_name(name, IMPLEMENTATIONS[name], schema, static=True), lib=LIB)
 
 
 _register()

@@ -44,6 +44,7 @@ class Registry:
         self._environment: tuple[str, ...] = ()
         self._resolved: dict[tuple, tuple[Backend, str]] = {}
         self._passed: dict[str, Backend] = {}     # backends passed as objects, by their key
+        self._generation = 0                      # counts register / unregister
         self._lock = threading.Lock()
 
     # ---- plugin loading -----------------------------------------------------------------------
@@ -89,12 +90,21 @@ class Registry:
             self.pm.register(plugin, name=name)
             self._backends = None
             self._resolved.clear()
+            self._generation += 1
 
     def unregister(self, name: str) -> None:
         with self._lock:
             self.pm.unregister(name=name)
             self._backends = None
             self._resolved.clear()
+            self._generation += 1
+
+    def state(self) -> tuple:
+        """What a resolution depends on besides its arguments: the plugins registered (a count of
+        registrations and removals) and the environment variables the backends list."""
+        if self._backends is None:
+            self.backends()
+        return self._generation, _read_environment(self._environment)
 
     # ---- queries --------------------------------------------------------------------------------
     def available_backends(self) -> list[str]:

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from ...core.backend import Backend
+from ...core.backend import Backend, Launch
 from .config import ENV_INTERPRET, LaunchTable, interpreting
 
 #: The guard of a launch that needs no device switch (a reusable do-nothing context manager).
@@ -66,23 +66,36 @@ class TritonBackend(Backend):
                 "plan_commit, commit": f"triton/commit.py ({where})"}
 
     def conv_verify(self, x, conv_state, weight, bias, state_indices, query_start_loc, silu,
-                    null_slot, out):
+                    null_slot, out) -> Optional[Launch]:
         from . import launch
         with self.device_guard(x.device):
-            launch.conv_verify(self.table, x, conv_state, weight, bias, state_indices, query_start_loc, silu,
-                               null_slot, out)
+            return self._repeat_on(x.device, launch.conv_verify(self.table, x, conv_state, weight, bias, state_indices,
+                                                                query_start_loc, silu, null_slot, out))
 
-    def conv_decode(self, x, conv_state, weight, bias, state_indices, silu, null_slot, out):
+    def conv_decode(self, x, conv_state, weight, bias, state_indices, silu, null_slot, out) -> Optional[Launch]:
         from . import launch
         with self.device_guard(x.device):
-            launch.conv_decode(self.table, x, conv_state, weight, bias, state_indices, silu, null_slot, out)
+            return self._repeat_on(x.device, launch.conv_decode(self.table, x, conv_state, weight, bias, state_indices,
+                                                                silu, null_slot, out))
 
     def recurrence(self, mode, q, k, v, state, state_indices, query_start_loc, gates, scale,
-                   use_qk_l2norm, null_slot, out, records, snapshot_slots):
+                   use_qk_l2norm, null_slot, out, records, snapshot_slots) -> Optional[Launch]:
         from . import launch
         with self.device_guard(q.device):
-            launch.recurrence(self.table, mode, q, k, v, state, state_indices, query_start_loc, gates, scale,
-                              use_qk_l2norm, null_slot, out, records, snapshot_slots)
+            return self._repeat_on(q.device, launch.recurrence(self.table, mode, q, k, v, state, state_indices,
+                                                               query_start_loc, gates, scale, use_qk_l2norm,
+                                                               null_slot, out, records, snapshot_slots))
+
+    def _repeat_on(self, device: torch.device, bound: Optional[Launch]) -> Optional[Launch]:
+        """A bound launch that makes ``device`` current first, as the first launch did."""
+        if bound is None:
+            return None
+        guard = self.device_guard
+
+        def repeat() -> bool:
+            with guard(device):
+                return bound()
+        return repeat
 
     def plan_commit(self, num_accepted, state_indices, query_start_loc, request_indices,
                     block_table, num_computed_tokens, block_size, null_slot, num_slots, out):

@@ -17,8 +17,10 @@ anything unexpected (a Triton whose compiled-kernel interface differs) turns it 
 the normal path runs.
 
 :meth:`DirectLauncher.bind` goes one step further for a launch that repeats with the very same
-tensors (the commit of an engine that passes its persistent index buffers every step): the key
-and the tensors' addresses are computed once, and each repeat is the launcher call alone.
+tensors (the commit of an engine that passes its persistent index buffers every step), or with
+tensors of the very same layout (an eager op call that repeats an earlier one,
+``core/repeats.py``): the key and the tensors' addresses are computed once, and each repeat is
+the launcher call alone.
 """
 from __future__ import annotations
 
@@ -64,8 +66,11 @@ class DirectLauncher:
                                       if not p.name.endswith("_ptr") and not p.do_not_specialize)
         self.non_pointers = tuple(i for i, p in enumerate(runtime) if not p.name.endswith("_ptr"))
 
-    def __call__(self, grid: Sequence[int], args: Sequence, constexprs: dict, options: dict) -> None:
-        """``args``: the runtime arguments in order (tensors for ``*_ptr``); ``constexprs`` by name."""
+    def __call__(self, grid: Sequence[int], args: Sequence, constexprs: dict, options: dict, *,
+                 bind: bool = False) -> Optional[Callable[[], bool]]:
+        """``args``: the runtime arguments in order (tensors for ``*_ptr``); ``constexprs`` by name.
+        ``bind``: also return this launch bound to the tensors' addresses, holding none of them
+        (:meth:`bind` with ``hold_arguments=False``), or ``None`` where the direct path is off."""
         grid = tuple(grid) + (1,) * (3 - len(grid))
         key = None
         if self.enabled and args[self.pointers[0]].device.type == "cuda":
@@ -76,46 +81,57 @@ class DirectLauncher:
             if compiled is not None:
                 try:
                     _run(compiled, grid, key[0], (*args, *(constexprs[n] for n in self.constexpr_names)))
-                    return
+                    return self._bound(compiled, key[0], grid, args, constexprs, options, False) if bind else None
                 except (AttributeError, TypeError) as exc:
                     self._disable(exc)
-                    key = None
+                    return None
         compiled = self.kernel[grid](*args, **constexprs, **options)
         if key is not None and compiled is not None and not hasattr(compiled, "result"):
             self.compiled[key] = compiled
+        return None
 
-    def bind(self, grid: Sequence[int], args: Sequence, constexprs: dict,
-             options: dict) -> Optional[Callable[[], None]]:
+    def bind(self, grid: Sequence[int], args: Sequence, constexprs: dict, options: dict, *,
+             hold_arguments: bool = True) -> Optional[Callable[[], bool]]:
         """A launch of these very arguments, to repeat with no per-call work but reading the
         current stream: pointers become plain addresses (so Triton's launcher neither looks up
         ``data_ptr`` nor asks the driver about each pointer) and the binary is the one
         :meth:`__call__` compiled for them. ``None`` until that binary exists, or on the plain path.
+        Calling it returns True when it launched.
 
-        The caller must keep every tensor alive and unchanged in address, dtype, device, shape
-        and strides for as long as it repeats the launch (values may change), and call it with
-        the tensors' device current."""
+        ``hold_arguments``: the launch keeps the tensors alive, and should the direct path turn
+        out unavailable it launches through :meth:`__call__` with them. Without: it holds no
+        tensor and returns False instead; the caller must then only call it while tensors of
+        exactly this layout (addresses, dtypes, devices, shapes, strides) are alive. Either way
+        the caller calls it with the tensors' device current, and values may change between calls."""
         if not (self.enabled and args[self.pointers[0]].device.type == "cuda" and len(args) == self.num_runtime):
             return None
         key = self._key(args, constexprs, options)
         compiled = self.compiled.get(key)
         if compiled is None:
             return None
+        return self._bound(compiled, key[0], grid, args, constexprs, options, hold_arguments)
+
+    def _bound(self, compiled, device_index: int, grid: Sequence[int], args: Sequence, constexprs: dict,
+               options: dict, hold_arguments: bool) -> Callable[[], bool]:
         pointers = set(self.pointers)
-        device_index, runner = key[0], compiled.run
+        runner = compiled.run
         head = (*grid, *(1,) * (3 - len(grid)))
         tail = (compiled.function, compiled.packed_metadata, None, None, None,
                 *(a.data_ptr() if i in pointers else a for i, a in enumerate(args)),
                 *(constexprs[n] for n in self.constexpr_names))
+        held = tuple(args) if hold_arguments else None
 
-        def launch() -> None:    # _run's call, everything but the stream fixed
+        def launch() -> bool:    # _run's call, everything but the stream fixed
             if self.enabled:
                 try:
                     runner(*head, _current_stream(device_index), *tail)
-                    return
+                    return True
                 except (AttributeError, TypeError) as exc:   # addresses refused: the plain path from now on
                     self._disable(exc)
-            self(grid, args, constexprs, options)
-        launch.keepalive = args     # the addresses in ``tail`` stay valid while ``launch`` lives
+            if held is None:
+                return False
+            self(grid, held, constexprs, options)
+            return True
         return launch
 
     def _disable(self, exc: Exception) -> None:

@@ -15,7 +15,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 import triton
 
-from ...core.backend import CommitLayer, Committer, GateInputs, GroupStep
+from ...core.backend import CommitLayer, Committer, GateInputs, GroupStep, Launch
 from ...core.pointers import PointerEncoding
 from . import commit as commit_kernels
 from .commit import grouped_commit_kernel, plan_commit_kernel
@@ -25,10 +25,13 @@ from .direct_launch import DirectLauncher
 from .recurrence import MODE_DECODE, MODE_SNAPSHOT, MODE_VERIFY, recurrence_kernel
 
 MODES = {"verify": MODE_VERIFY.value, "decode": MODE_DECODE.value, "snapshot": MODE_SNAPSHOT.value}
-# The two launches on every speculative step (verify per layer, one commit for all layers) skip
-# Triton's per-call specialization work once compiled (see direct_launch.py).
+# The launches of every step (conv and the recurrence per layer, one commit for all layers) skip
+# Triton's per-call specialization work once compiled, and can be bound to their tensors for
+# eager repeats (see direct_launch.py, core/repeats.py).
 _RECURRENCE = DirectLauncher(recurrence_kernel)
 _GROUPED_COMMIT = DirectLauncher(grouped_commit_kernel)
+_CONV_VERIFY = DirectLauncher(conv_verify_kernel)
+_CONV_DECODE = DirectLauncher(conv_decode_kernel)
 INT32_MAX = 2**31 - 1
 #: CUDA's limit on a grid's second and third axes: the batch rows (and commit layers) of one launch.
 MAX_GRID_YZ = 65535
@@ -53,32 +56,35 @@ def _conv_args(x, conv_state, weight, bias, out):
              weight.stride(0), weight.stride(1), out.stride(0)))
 
 
+def _conv_constexprs(table: LaunchTable, width: int, bias, silu) -> tuple[dict, dict]:
+    spec = table.conv
+    return (dict(WIDTH=width, BD=spec.block, HAS_BIAS=bias is not None, SILU=bool(silu), INTERPRETED=interpreting()),
+            table.options(spec.warps))
+
+
 def conv_verify(table: LaunchTable, x, conv_state, weight, bias, state_indices, query_start_loc,
-                silu, null_slot, out) -> None:
+                silu, null_slot, out) -> Optional[Launch]:
     dim, width = x.shape[1], weight.shape[1]
     B = state_indices.shape[0]
     if B == 0 or x.shape[0] == 0:
-        return
-    spec = table.conv
+        return None
     tensors, strides = _conv_args(x, conv_state, weight, bias, out)
-    conv_verify_kernel[(triton.cdiv(dim, spec.block), _grid_axis("conv_verify: state_indices", B))](
-        *tensors, state_indices, query_start_loc, *strides,
-        dim, x.shape[0], conv_state.shape[0], null_slot, conv_state.shape[2] - (width - 1),
-        WIDTH=width, BD=spec.block, HAS_BIAS=bias is not None, SILU=bool(silu), INTERPRETED=interpreting(),
-        **table.options(spec.warps))
+    grid = (triton.cdiv(dim, table.conv.block), _grid_axis("conv_verify: state_indices", B))
+    args = (*tensors, state_indices, query_start_loc, *strides,
+            dim, x.shape[0], conv_state.shape[0], null_slot, conv_state.shape[2] - (width - 1))
+    return _CONV_VERIFY(grid, args, *_conv_constexprs(table, width, bias, silu), bind=True)
 
 
-def conv_decode(table: LaunchTable, x, conv_state, weight, bias, state_indices, silu, null_slot, out) -> None:
+def conv_decode(table: LaunchTable, x, conv_state, weight, bias, state_indices, silu, null_slot,
+                out) -> Optional[Launch]:
     dim, width = x.shape[1], weight.shape[1]
     B = state_indices.shape[0]
     if B == 0:
-        return
-    spec = table.conv
+        return None
     tensors, strides = _conv_args(x, conv_state, weight, bias, out)
-    conv_decode_kernel[(triton.cdiv(dim, spec.block), _grid_axis("conv_decode: state_indices", B))](
-        *tensors, state_indices, *strides, dim, conv_state.shape[0], null_slot,
-        WIDTH=width, BD=spec.block, HAS_BIAS=bias is not None, SILU=bool(silu), INTERPRETED=interpreting(),
-        **table.options(spec.warps))
+    grid = (triton.cdiv(dim, table.conv.block), _grid_axis("conv_decode: state_indices", B))
+    args = (*tensors, state_indices, *strides, dim, conv_state.shape[0], null_slot)
+    return _CONV_DECODE(grid, args, *_conv_constexprs(table, width, bias, silu), bind=True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -186,22 +192,25 @@ def _specialize_recurrence(table: LaunchTable, state_dtype: torch.dtype, H: int,
 
 def recurrence(table: LaunchTable, mode: str, q, k, v, state, state_indices, query_start_loc,
                gates: GateInputs, scale: float, use_qk_l2norm: bool, null_slot: int, out,
-               records, snapshot_slots) -> None:
-    q, k, v, kernel_out, aligned = _aligned_token_inputs(q, k, v, out)
-    _launch_recurrence(table, mode, q, k, v, state, state_indices, query_start_loc, gates, scale,
-                       use_qk_l2norm, null_slot, kernel_out, records, snapshot_slots, aligned)
-    if kernel_out is not out:
-        out.copy_(kernel_out)
+               records, snapshot_slots) -> Optional[Launch]:
+    """Launch the recurrence; return the launch bound to the caller's tensors for eager repeats,
+    ``None`` where it launched on packed copies of misaligned tensors (or did not launch)."""
+    packed = _aligned_token_inputs(q, k, v, out)
+    launch = _launch_recurrence(table, mode, *packed[:3], state, state_indices, query_start_loc, gates, scale,
+                                use_qk_l2norm, null_slot, packed[3], records, snapshot_slots, packed[4])
+    if packed[3] is not out:
+        out.copy_(packed[3])
+    return launch if all(x is y for x, y in zip(packed, (q, k, v, out))) else None
 
 
 def _launch_recurrence(table: LaunchTable, mode: str, q, k, v, state, state_indices, query_start_loc,
                        gates: GateInputs, scale: float, use_qk_l2norm: bool, null_slot: int, out,
-                       records, snapshot_slots, aligned: bool) -> None:
+                       records, snapshot_slots, aligned: bool) -> Optional[Launch]:
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     B = state_indices.shape[0]
     if B == 0 or T == 0:
-        return
+        return None
     tile, constexprs, options = recurrence_specialization(table, state.dtype, H, HV, K, V, state.stride(2), gates,
                                                           use_qk_l2norm, aligned, HV * B)
     if mode == "verify":
@@ -217,15 +226,13 @@ def _launch_recurrence(table: LaunchTable, mode: str, q, k, v, state, state_indi
         a, b, A_log, dt_bias = gates.a, gates.b, gates.A_log, gates.dt_bias
     lower_bound = gates.lower_bound if gates.lower_bound is not None else 0.0
     grid = (triton.cdiv(V, tile.block_v), HV, _grid_axis(f"{mode}: state_indices", B))
-    _RECURRENCE(
-        grid,
-        (q, k, v, a, b, A_log, dt_bias, out, state, state_indices, query_start_loc,
-         corr, key, decay, snap,
-         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-         a.stride(0), a.stride(1), b.stride(0), out.stride(0), out.stride(1),
-         state.stride(0), state.stride(1), snap.stride(0),
-         T, state.shape[0], null_slot, max_window, scale, lower_bound, MODES[mode]),
-        constexprs, options)
+    args = (q, k, v, a, b, A_log, dt_bias, out, state, state_indices, query_start_loc,
+            corr, key, decay, snap,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            a.stride(0), a.stride(1), b.stride(0), out.stride(0), out.stride(1),
+            state.stride(0), state.stride(1), snap.stride(0),
+            T, state.shape[0], null_slot, max_window, scale, lower_bound, MODES[mode])
+    return _RECURRENCE(grid, args, constexprs, options, bind=True)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from typing import Iterator, Union
 
 from ...core.backend import Backend
 from ...core.registry import get_backend
+from ...core.repeats import REPEATS
 from .backend import TritonBackend
 from .config import LaunchTable
 
@@ -31,7 +32,9 @@ def launch_table(backend: Union[str, Backend], table: LaunchTable) -> Iterator[T
         raise TypeError(f"launch_table: table must be a LaunchTable, got {type(table).__name__}")
     previous = be._table_override
     be._table_override = table
+    REPEATS.clear()      # launches bound under the previous table must not repeat under this one
     try:
         yield be
     finally:
         be._table_override = previous
+        REPEATS.clear()

@@ -1,0 +1,99 @@
+"""Eager calls that repeat an earlier call's layout: the launch alone, without the dispatcher.
+
+An engine that runs the recurrent layers eagerly calls each op once per layer and step with
+tensors whose addresses, dtypes, shapes and strides repeat (persistent buffers, and activations
+the caching allocator hands out at the same addresses). Everything the op does before its kernel
+starts (the dispatcher, the argument checks, resolving the backend, choosing the kernel's
+specialization) depends only on that layout and on the scalar arguments. So when an op has run
+once through ``torch.ops.recoverssm.*``, the backend may hand back the launch it made, as a
+callable bound to those addresses (:meth:`Backend.recurrence` and the conv methods return it),
+and a later eager call whose *call key* is the same calls it directly.
+
+The call key (:func:`call_key`) is the op's name, every argument that is not a tensor (scalars,
+``check``, the ``backend`` name), for every tensor its address, dtype, shape, strides and device,
+the environment the registry resolves backends from, and the registry's generation (it changes
+when a plugin is registered or removed). Two calls with one key pass the same checks and launch
+the same kernel on the same memory; only the values in that memory may differ. The bound launch
+holds no tensor: it is only ever called with live tensors at exactly those addresses.
+
+The shortcut is not taken (the call goes through the op) while ``torch.compile`` traces, under
+a ``TorchFunctionMode`` or ``TorchDispatchMode``, for tensor subclasses, and when the call wants
+value checks (CPU tensors, ``check=True``, ``RECOVERSSM_CHECK=1``): those run in the op.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from .registry import registry
+from .validation import wants_value_checks
+
+#: The ops whose launches may be repeated this way.
+REPEATABLE = frozenset({"conv_verify", "conv_decode"} | {f"{kind}_{mode}" for kind in ("gdn", "kda")
+                                                         for mode in ("verify", "decode", "spec_decode_snapshot")})
+_Tensor = torch.Tensor
+
+
+def call_key(op: str, args: Sequence) -> Optional[tuple]:
+    """The key of a call of ``op`` with its schema's positional ``args``; ``None`` when a tensor
+    argument has no plain address (a subclass, a tensor without storage)."""
+    key = [op, registry().state()]
+    for x in args:
+        if isinstance(x, _Tensor):
+            if type(x) is not _Tensor:
+                return None
+            key += (x.data_ptr(), x.dtype, x.shape, x.stride(), x.device)
+        else:
+            key.append(x)
+    return tuple(key)
+
+
+class Repeats:
+    """The bound launches of recent calls, by call key. Bounded: when full it starts over."""
+
+    def __init__(self, size: int = 2048):
+        self.size = size
+        self._launches: dict[tuple, Callable[[], bool]] = {}
+        #: How many calls took the shortcut (tests and benchmarks read it).
+        self.hits = 0
+
+    def __len__(self) -> int:
+        return len(self._launches)
+
+    def clear(self) -> None:
+        self._launches.clear()
+
+    def remember(self, op: str, args: Sequence, launch: Optional[Callable[[], bool]]) -> None:
+        """Keep ``launch`` (the backend's bound launch of this call, or ``None``) for repeats."""
+        if launch is None or op not in REPEATABLE:
+            return
+        try:
+            key = call_key(op, args)
+        except RuntimeError:      # a tensor without an address
+            return
+        if key is None:
+            return
+        if len(self._launches) >= self.size:
+            self._launches.clear()
+        self._launches[key] = launch
+
+    def run(self, op: str, args: Sequence, device: torch.device, check: Optional[bool]) -> bool:
+        """Launch this call through a bound launch when it repeats one; ``False`` when the call
+        must go through the op (nothing was launched). ``device``: the tensors' device."""
+        if (not self._launches or torch.compiler.is_compiling() or torch._C._len_torch_function_stack()
+                or torch._C._len_torch_dispatch_stack() or wants_value_checks(check, device)):
+            return False
+        try:
+            key = call_key(op, args)
+        except RuntimeError:
+            return False
+        launch = self._launches.get(key) if key is not None else None
+        if launch is None or not launch():
+            return False
+        self.hits += 1
+        return True
+
+
+#: The one cache the public ops use.
+REPEATS = Repeats()
