@@ -220,7 +220,7 @@ def test_repeated_launches_compute_what_the_op_computes(state_dtype):
     rs.gdn_verify(p.q, p.k, p.v, records=records, out=out, **p.call_kwargs())   # compiles
     rs.gdn_verify(p.q, p.k, p.v, records=records, out=out, **p.call_kwargs())   # binds
     hits = REPEATS.hits
-    for name in ("q", "k", "v", "state"):
+    for name in ("q", "k", "v", "state", "state_indices"):
         getattr(p, name).copy_(getattr(fresh, name))
     for name, t in p.gates.items():
         t.copy_(fresh.gates[name])
