@@ -60,10 +60,10 @@ def _out_like(x: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
     return torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
 
 
-def _call(op_name: str, args: tuple, device: torch.device, check: Optional[bool]) -> None:
+def _call(op_name: str, args: tuple, check: Optional[bool]) -> None:
     """Run ``torch.ops.recoverssm.<op_name>(*args)``, or, for an eager call that repeats an
     earlier call's layout, that call's launch (``core/repeats.py``)."""
-    if not REPEATS.run(op_name, args, device, check):
+    if not REPEATS.run(op_name, args, check):
         op(op_name)(*args)
 
 
@@ -100,7 +100,7 @@ def conv_verify(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
     check_int(name, "null_slot", null_slot)
     out = _out_like(x, out)
     _call(name, (x, conv_state, weight, bias, state_indices, query_start_loc, silu, null_slot, out,
-                 resolve_name(backend), check), x.device, check)
+                 resolve_name(backend), check), check)
     return out
 
 
@@ -128,7 +128,7 @@ def conv_decode(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
     check_int(name, "null_slot", null_slot)
     out = _out_like(x, out)
     _call(name, (x, conv_state, weight, bias, state_indices, silu, null_slot, out, resolve_name(backend), check),
-          x.device, check)
+          check)
     return out
 
 
@@ -189,7 +189,7 @@ def _recurrence(kind: str, mode: str, q, k, v, state, state_indices, query_start
         args = (*head, *gate_args, *lower.values(), *tail)
     else:
         args = (*head, snapshot_slots, *gate_args, *lower.values(), *tail)
-    _call(name, args, q.device, check)
+    _call(name, args, check)
     return out
 
 

@@ -78,11 +78,13 @@ class Repeats:
             self._launches.clear()
         self._launches[key] = launch
 
-    def run(self, op: str, args: Sequence, device: torch.device, check: Optional[bool]) -> bool:
+    def run(self, op: str, args: Sequence, check: Optional[bool]) -> bool:
         """Launch this call through a bound launch when it repeats one; ``False`` when the call
-        must go through the op (nothing was launched). ``device``: the tensors' device."""
+        must go through the op (nothing was launched). ``args[0]`` (``x`` or ``q``) gives the
+        device the value checks are decided for."""
         if (not self._launches or torch.compiler.is_compiling() or torch._C._len_torch_function_stack()
-                or torch._C._len_torch_dispatch_stack() or wants_value_checks(check, device)):
+                or torch._C._len_torch_dispatch_stack() or not isinstance(args[0], _Tensor)
+                or wants_value_checks(check, args[0].device)):
             return False
         try:
             key = call_key(op, args)
