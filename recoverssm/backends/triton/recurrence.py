@@ -30,9 +30,12 @@ in ``dot_over_k``. ``S' = S * d`` is one multiply whose result is both reduced a
 updated. Verify, decode and snapshot execute the same instructions on the same values.
 
 **GDN and KDA.** KDA (``VECTOR_DECAY``) differs only in its gates: the gate input ``a``, the
-bias and the decay are K-vectors, loaded and laid out like ``k`` (broadcast over the row lanes),
-so ``S * decay`` scales column ``j`` by ``decay[j]``; its replay record holds that vector.
-Everything else, the step included, is the same code.
+bias and the decay are K-vectors. They are loaded and the gates computed on a flat ``[K_PAD]``
+vector spread over the program's lanes (each channel once; in ``k``'s layout every row lane
+would compute every channel again, and KDA's token loop was 2009 instructions per token and
+warp instead of 1249), then moved into ``k``'s layout (``tile_vector``), so ``S * decay``
+scales column ``j`` by ``decay[j]``; its replay record holds that vector. Everything else, the
+step included, is the same code.
 
 **Indices.** Whatever the values: a slot that is not a slot (``numerics.is_slot``) makes a
 padding row (its outputs zero, nothing else read or written), a snapshot entry that is not a
@@ -174,11 +177,11 @@ def delta_rule_step(S, k_hat, q_hat, v, beta, decay):
 
 @triton.jit
 def fetch_token(tok, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, stride_q_t, stride_k_t, stride_v_t, stride_a_t,
-                stride_b_t, q_head, k_head, v_head, a_head, hv, offs_k, mask_k, offs_v, mask_v,
+                stride_b_t, q_head, k_head, v_head, a_head, hv, offs_k, mask_k, offs_v, mask_v, offs_g, mask_g,
                 ALIGNED: tl.constexpr, EXACT_K: tl.constexpr, EXACT_V: tl.constexpr, QK_EVICTION: tl.constexpr,
                 VECTOR_DECAY: tl.constexpr):
     """Issue the loads of one token's inputs, as stored (``k``, ``q`` broadcast over the row
-    lanes, ``v``, the two gate inputs: ``a`` a K-vector laid out like ``k`` under
+    lanes, ``v``, the two gate inputs: ``a`` a K-vector in the flat gate layout ``offs_g`` under
     ``VECTOR_DECAY``). The token loop fetches token ``t + 1`` before it works on token ``t``, so
     the loads' latency hides behind a token's arithmetic."""
     tok = tok.to(tl.int64)
@@ -191,11 +194,20 @@ def fetch_token(tok, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, stride_q_t, stride_k_t, 
     q_t = load_masked(q_ptrs, mask_k, EXACT_K, QK_EVICTION)
     v_t = load_masked(v_ptr + tok * stride_v_t + v_head + offs_v, mask_v, EXACT_V)
     if VECTOR_DECAY:
-        a_t = load_masked(a_ptr + tok * stride_a_t + a_head + offs_k, mask_k, EXACT_K)
+        a_t = load_masked(a_ptr + tok * stride_a_t + a_head + offs_g, mask_g, EXACT_K)
     else:
         a_t = tl.load(a_ptr + tok * stride_a_t + a_head)
     b_t = tl.load(b_ptr + tok * stride_b_t + hv)
     return k_t, q_t, v_t, a_t, b_t
+
+
+@triton.jit
+def tile_vector(x, ROW_LANES: tl.constexpr, K_INNER: tl.constexpr, K_CHUNKS: tl.constexpr):
+    """A flat K-vector ``[K_PAD]`` (element ``chunk * K_INNER + inner``) laid out like ``k``:
+    ``[ROW_LANES, 1, K_INNER, K_CHUNKS]``, broadcast over the row lanes (Triton moves it between
+    the two layouts; no value changes)."""
+    x = tl.permute(tl.reshape(x, [K_CHUNKS, K_INNER]), [1, 0])
+    return tl.broadcast_to(x[None, None, :, :], [ROW_LANES, 1, K_INNER, K_CHUNKS])
 
 
 @triton.jit
@@ -206,7 +218,8 @@ def prepare_token(k_t, q_t, v_t, a_t, b_t, gate_scale, dt_bias, scale, lower_bou
     and beta, all fp32. The decay is ``exp(gate_scale * softplus(a + dt_bias))`` with
     ``gate_scale = -exp(A_log)``, or with ``LOWER_BOUND`` (KDA's bounded gate)
     ``exp(lower_bound * sigmoid(gate_scale * (a + dt_bias)))`` with ``gate_scale = exp(A_log)``,
-    or ``exp(g)`` for precomputed gates (a scalar, or a K-vector for KDA)."""
+    or ``exp(g)`` for precomputed gates (a scalar, or for KDA a K-vector in the flat gate layout:
+    each channel's gate computed once per program, not once per row lane)."""
     k_hat = to_fp32(k_t, PTX_WIDEN_BF16)
     q_hat = to_fp32(q_t, PTX_WIDEN_BF16)
     a_t = a_t.to(tl.float32)
@@ -230,18 +243,19 @@ def prepare_token(k_t, q_t, v_t, a_t, b_t, gate_scale, dt_bias, scale, lower_bou
 
 @triton.jit
 def store_records(corr_ptr, key_ptr, decay_ptr, row64, i_v, hv, h, t, max_window, correction, k_hat, decay,
-                  offs_v, mask_v, offs_k, mask_k, chunk, lane_v, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                  V: tl.constexpr, ROW_LANES: tl.constexpr, EXACT_V: tl.constexpr, VECTOR_DECAY: tl.constexpr):
+                  offs_v, mask_v, offs_k, mask_k, offs_g, mask_g, chunk, lane_v, H: tl.constexpr, HV: tl.constexpr,
+                  K: tl.constexpr, V: tl.constexpr, ROW_LANES: tl.constexpr, EXACT_V: tl.constexpr,
+                  VECTOR_DECAY: tl.constexpr):
     """Verify's replay record of window position ``t``, by batch row: the program's rows of the
-    correction; the decay (a scalar, or KDA's K-vector) from the first V tile of each value head;
-    the key from the first V tile of the first value head of each q/k head."""
+    correction; the decay (a scalar, or KDA's K-vector in the flat gate layout) from the first V
+    tile of each value head; the key from the first V tile of the first value head of each q/k head."""
     rec = (row64 * HV + hv) * max_window + t
     store_masked(corr_ptr + rec * V + offs_v, correction, mask_v, EXACT_V)
     if i_v == 0:
         # every lane group holds the whole key: lane group j writes chunks j, j + RL, ...
         writer = (chunk[None, None, None, :] % ROW_LANES) == lane_v[:, None, None, None]
         if VECTOR_DECAY:
-            tl.store(decay_ptr + rec * K + offs_k, decay, mask=mask_k & writer)
+            tl.store(decay_ptr + rec * K + offs_g, decay, mask=mask_g)
         else:
             tl.store(decay_ptr + rec, decay)
         if hv % (HV // H) == 0:
@@ -299,6 +313,11 @@ def recurrence_kernel(
 
     lane_v = tl.arange(0, ROW_LANES)
     chunk = tl.arange(0, K_CHUNKS)
+    # KDA's per-channel gates are computed on a flat K-vector spread over the whole program (in
+    # the layout k has, every row lane would compute all of them again: 4x the exponentials and
+    # logarithms at the default tile) and moved to k's layout for the step (``tile_vector``).
+    offs_g = tl.arange(0, K_PAD)
+    mask_g = offs_g < K
     offs_v = i_v * BV + lane_v[:, None] * ROWS + tl.arange(0, ROWS)[None, :]          # [RL, R]
     mask_v = offs_v < V
     offs_k = (tl.arange(0, K_INNER)[None, None, :, None] + chunk[None, None, None, :] * K_INNER
@@ -326,33 +345,36 @@ def recurrence_kernel(
             if not LOWER_BOUND:
                 gate_scale = -gate_scale
             if VECTOR_DECAY:
-                dt_bias = load_masked(dt_bias_ptr + hv * K + offs_k, mask_k, EXACT_K)
+                dt_bias = load_masked(dt_bias_ptr + hv * K + offs_g, mask_g, EXACT_K)
             else:
                 dt_bias = tl.load(dt_bias_ptr + hv)
         fetched = fetch_token(tl.minimum(start, num_tokens - 1), q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
                               stride_q_t, stride_k_t, stride_v_t, stride_a_t, stride_b_t, q_head, k_head,
-                              v_head, a_head, hv, offs_k, mask_k, offs_v, mask_v, ALIGNED, EXACT_K, EXACT_V,
+                              v_head, a_head, hv, offs_k, mask_k, offs_v, mask_v, offs_g, mask_g, ALIGNED, EXACT_K, EXACT_V,
                               QK_EVICTION, VECTOR_DECAY)
         for t in range(0, length):
             k_t, q_t, v_t, a_t, b_t = fetched
             # the next token's loads go out now (the last iteration fetches its own token again)
             fetched = fetch_token(start + tl.minimum(t + 1, length - 1), q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
                                   stride_q_t, stride_k_t, stride_v_t, stride_a_t, stride_b_t, q_head, k_head,
-                                  v_head, a_head, hv, offs_k, mask_k, offs_v, mask_v, ALIGNED, EXACT_K, EXACT_V,
+                                  v_head, a_head, hv, offs_k, mask_k, offs_v, mask_v, offs_g, mask_g, ALIGNED, EXACT_K, EXACT_V,
                                   QK_EVICTION, VECTOR_DECAY)
             k_hat, q_hat, v_t, decay, beta = prepare_token(k_t, q_t, v_t, a_t, b_t, gate_scale, dt_bias, scale,
                                                            lower_bound, GATES_PRECOMPUTED, USE_L2NORM,
                                                            PTX_WIDEN_BF16, LOWER_BOUND)
-
-            S, correction, o_t = delta_rule_step(S, k_hat, q_hat, v_t, beta, decay)
+            if VECTOR_DECAY:
+                S, correction, o_t = delta_rule_step(S, k_hat, q_hat, v_t, beta,
+                                                     tile_vector(decay, ROW_LANES, K_INNER, K_CHUNKS))
+            else:
+                S, correction, o_t = delta_rule_step(S, k_hat, q_hat, v_t, beta, decay)
 
             tok = (start + t).to(tl.int64)
             store_masked(out_ptr + tok * stride_o_t + hv * stride_o_h + offs_v,
                          to_storage(o_t, out_ptr.dtype.element_ty, INTERPRETED), mask_v, EXACT_V)
             if mode == MODE_VERIFY:
                 store_records(corr_ptr, key_ptr, decay_ptr, row64, i_v, hv, h, t, max_window, correction, k_hat,
-                              decay, offs_v, mask_v, offs_k, mask_k, chunk, lane_v, H, HV, K, V, ROW_LANES,
-                              EXACT_V, VECTOR_DECAY)
+                              decay, offs_v, mask_v, offs_k, mask_k, offs_g, mask_g, chunk, lane_v, H, HV, K, V,
+                              ROW_LANES, EXACT_V, VECTOR_DECAY)
             # State stores, both from inside the loop: the snapshot after every position, and
             # native decode's final state after the last one (into the row's own slot). Keeping
             # decode's store in the loop, behind a per-token slot index, spares the registers
