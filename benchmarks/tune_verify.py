@@ -43,6 +43,11 @@ def default_configs(base) -> list[dict]:
             {"l2_hints": not base.l2_hints}, {"ptx_widen_bf16": not base.ptx_widen_bf16}]
 
 
+def of_batch(shapes: list, batch: str) -> list:
+    """The shapes whose N is listed in ``batch`` ("1,8"); all of them for an empty string."""
+    return [s for s in shapes if s[0] in {int(n) for n in batch.split(",")}] if batch else shapes
+
+
 def shape_name(N, T, HV, mode) -> str:
     return f"{mode[:4]}_N{N}T{T}HV{HV}"
 
@@ -117,8 +122,7 @@ def main():
     from recoverssm.bench.timing import CopyCeiling, copies_for
 
     h, k, v, shapes = (TINY["H"], TINY["K"], TINY["V"], TINY["shapes"]) if args.tiny else (H, K, V, SHAPES)
-    if args.batch:
-        shapes = [s for s in shapes if s[0] in {int(n) for n in args.batch.split(",")}]
+    shapes = of_batch(shapes, args.batch)
     ceiling = None if args.tiny else CopyCeiling("cuda")
     element = torch.tensor([], dtype=dtype).element_size()
     wins = {}

@@ -6,13 +6,16 @@ launch; CPU tensors always want value checks, so those tests switch that off for
 decision only (the op path still checks everything)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import recoverssm as rs
 from recoverssm.core import repeats as repeats_module
-from recoverssm.core.backend import Backend
+from recoverssm.core.backend import Backend, Launch
 from recoverssm.core.hookspecs import hookimpl
 from recoverssm.core.registry import registry
 from recoverssm.core.repeats import REPEATS, call_key
@@ -33,6 +36,7 @@ class CountingBackend(Backend):
         self.calls = 0
         self.repeats = 0
         self.refuse = False
+        self.returns = "launch"      # or "callable": a plain function, which the ops must ignore
 
     def _launch(self):
         def launch() -> bool:
@@ -40,7 +44,7 @@ class CountingBackend(Backend):
                 return False
             self.repeats += 1
             return True
-        return launch
+        return Launch(launch) if self.returns == "launch" else launch
 
     def _ref(self):
         return registry().resolve("cpu_ref", "cpu")[0]
@@ -77,8 +81,10 @@ def counting(monkeypatch):
             return [backend]
 
     registry().register(Plugin(), name="tests.test_repeats.counting")
-    # CPU tensors always want value checks; for the cache's decision only, they do not here.
-    monkeypatch.setattr(repeats_module, "wants_value_checks", lambda check, device: bool(check))
+    # CPU tensors always want value checks; for the cache's decision only, they want them here as
+    # GPU tensors do: with check=True or RECOVERSSM_CHECK=1.
+    monkeypatch.setattr(repeats_module, "wants_value_checks",
+                        lambda check, device: bool(check) or os.environ.get("RECOVERSSM_CHECK") == "1")
     REPEATS.clear()
     try:
         yield backend
@@ -128,39 +134,79 @@ def test_every_op_family_repeats(counting):
     assert (counting.calls, counting.repeats) == (4, 4)
 
 
-@pytest.mark.parametrize("change", ["out address", "out strides", "state dtype", "null_slot", "scale",
-                                    "use_qk_l2norm", "check", "environment", "registry", "launch refused"])
+class Call:
+    """A verify call's arguments, for a test to change one thing of."""
+
+    def __init__(self, p, records, out, buffer):
+        self.p, self.records, self.out, self.buffer = p, records, out, buffer
+        self.tokens = dict(q=p.q, k=p.k, v=p.v)
+        self.kw = {}
+
+
+def _out_strides_only(c: Call) -> None:       # the same address, another row stride
+    T, HV, V = c.out.shape
+    c.out = c.buffer.as_strided((T, HV, V), ((HV + 1) * V, V, 1))
+    assert c.out.data_ptr() == c.buffer.data_ptr()
+
+
+def _input_dtype_only(c: Call) -> None:       # the same addresses, shapes and strides, fp16
+    c.tokens = {n: t.view(torch.float16) for n, t in c.tokens.items()}
+    c.out = c.out.view(torch.float16)
+
+
+CHANGES = {
+    "out address": lambda c, mp: setattr(c, "out", torch.empty_like(c.out)),
+    "out strides only": lambda c, mp: _out_strides_only(c),
+    "input dtype only": lambda c, mp: _input_dtype_only(c),
+    "null_slot": lambda c, mp: c.kw.update(null_slot=-2),
+    "scale": lambda c, mp: c.kw.update(scale=0.5),
+    "scale sign of zero": lambda c, mp: c.kw.update(scale=-0.0),      # the first call had 0.0
+    "use_qk_l2norm": lambda c, mp: c.kw.update(use_qk_l2norm=False),
+    "check": lambda c, mp: c.kw.update(check=True),
+    "RECOVERSSM_CHECK": lambda c, mp: mp.setenv("RECOVERSSM_CHECK", "1"),
+    "environment": lambda c, mp: mp.setenv("RECOVERSSM_BACKEND", "cpu_ref"),
+    "negative view": lambda c, mp: c.tokens.update(q=torch._neg_view(c.p.q)),
+}
+
+
+@pytest.mark.parametrize("change", [*CHANGES, "registry", "launch refused", "not a Launch"])
 def test_what_makes_a_call_go_through_the_op(counting, monkeypatch, change):
-    p = make_batch_problem([3, 2])
-    records, out = p.records(), torch.empty_like(p.v)
-    _verify(p, records, out)
-    kw = {}
-    if change == "out address":
-        out = torch.empty_like(p.v)
-    elif change == "out strides":
-        out = torch.empty(p.v.shape[0], p.v.shape[1] + 1, p.v.shape[2])[:, 1:]
-    elif change == "state dtype":
-        kw["state"] = p.state.to(torch.bfloat16)
-    elif change == "null_slot":
-        kw["null_slot"] = -2
-    elif change == "scale":
-        kw["scale"] = 0.5
-    elif change == "use_qk_l2norm":
-        kw["use_qk_l2norm"] = False
-    elif change == "check":
-        kw["check"] = True
-    elif change == "environment":
-        monkeypatch.setenv("RECOVERSSM_BACKEND", "cpu_ref")
-    elif change == "registry":
+    p = make_batch_problem([3, 2], act_dtype=torch.bfloat16)
+    T, HV, V = p.v.shape
+    buffer = torch.empty(T * (HV + 1) * V, dtype=p.v.dtype)
+    c = Call(p, p.records(), buffer[:T * HV * V].view(T, HV, V), buffer)
+    counting.returns = "callable" if change == "not a Launch" else "launch"
+    first = {"scale": 0.0}
+    _verify(p, c.records, c.out, **first)
+    c.kw.update(first)
+    if change in CHANGES:
+        CHANGES[change](c, monkeypatch)
+    counting.refuse = change == "launch refused"
+    if change == "registry":
         registry().register(object(), name="tests.test_repeats.nothing")
-    elif change == "launch refused":
-        counting.refuse = True
     try:
-        _verify(p, records, out, **kw)
+        rs.gdn_verify(c.tokens["q"], c.tokens["k"], c.tokens["v"], records=c.records, out=c.out, backend=COUNTING,
+                      **p.call_kwargs(**c.kw))
     finally:
         if change == "registry":
             registry().unregister("tests.test_repeats.nothing")
     assert (counting.calls, counting.repeats) == (2, 0), change
+
+
+def test_the_unchanged_call_of_that_table_repeats(counting):
+    p = make_batch_problem([3, 2], act_dtype=torch.bfloat16)
+    records, out = p.records(), torch.empty_like(p.v)
+    for _ in range(2):
+        _verify(p, records, out, scale=0.0)
+    assert (counting.calls, counting.repeats) == (1, 1)
+
+
+def test_an_unhashable_argument_is_named_by_the_op(counting):
+    p = make_batch_problem([3, 2])
+    records, out = p.records(), torch.empty_like(p.v)
+    _verify(p, records, out)
+    with pytest.raises((TypeError, RuntimeError), match="check"):
+        _verify(p, records, out, check=[])
 
 
 def test_modes_and_compilation_go_through_the_op(counting):
@@ -172,21 +218,36 @@ def test_modes_and_compilation_go_through_the_op(counting):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             return func(*args, **(kwargs or {}))
 
+    class PassThroughFunctions(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
     with PassThrough():
         _verify(p, records, out)
-    assert (counting.calls, counting.repeats) == (2, 0)
+    with PassThroughFunctions():
+        _verify(p, records, out)
+    assert (counting.calls, counting.repeats) == (3, 0)
 
     def step(q, k, v):
         return rs.gdn_verify(q, k, v, records=records, out=out, backend=COUNTING, **p.call_kwargs())
 
     torch.compile(step, fullgraph=True, backend="eager")(p.q, p.k, p.v)
-    assert counting.repeats == 0 and counting.calls >= 3
+    assert counting.repeats == 0 and counting.calls >= 4
+    calls = counting.calls
+    torch.jit.trace(step, (p.q, p.k, p.v), check_trace=False)
+    assert counting.repeats == 0 and counting.calls == calls + 1
 
 
 def test_a_bad_call_after_a_repeat_is_still_refused(counting):
     p = make_batch_problem([3, 2])
     records, out = p.records(), torch.empty_like(p.v)
-    _verify(p, records, out)
+    for _ in range(2):
+        _verify(p, records, out)
+    assert (counting.calls, counting.repeats) == (1, 1)
+    # A bad value in the very tensors of the repeated call: refused when values are checked.
+    p.state_indices[0] = 10_000
+    with pytest.raises(ValueError, match="state_indices"):
+        _verify(p, records, out, check=True)
     with pytest.raises(ValueError, match="query_start_loc has shape"):
         _verify(p, records, out, state_indices=p.state_indices[:1])
     with pytest.raises(TypeError, match="q must be a torch.Tensor"):
@@ -197,7 +258,7 @@ def test_call_key_has_every_layout_field():
     t = torch.zeros(4, 6)
     key = call_key("gdn_verify", (t, 1.0, None, "x"))
     assert (t.data_ptr(), t.dtype, t.shape, t.stride(), t.device) == key[2:7]
-    assert key[7:] == (1.0, None, "x")
+    assert key[7:] == ((1.0).hex(), None, "x")
 
     class Sub(torch.Tensor):
         pass
@@ -234,15 +295,34 @@ def test_repeated_launches_compute_what_the_op_computes(state_dtype):
     for got, want in zip((records.correction, records.key, records.decay),
                          (want_records.correction, want_records.key, want_records.decay)):
         assert torch.equal(got, want)
-    # decode repeats too, and leaves the state the op leaves
-    state = p.state.clone()
+    # decode and snapshot repeat too, and leave the states the op leaves
+    state, hits = p.state.clone(), REPEATS.hits
     for _ in range(3):
         rs.gdn_decode(p.q, p.k, p.v, out=out, **p.call_kwargs(state=state))
+    assert REPEATS.hits == hits + 1          # the first call compiles or binds, the second binds
     want_state = p.state.clone()
     for _ in range(3):
         rs.gdn_decode(p.q, p.k, p.v, out=want_out, check=True, **p.call_kwargs(state=want_state))
-    assert REPEATS.hits >= hits + 2
     assert torch.equal(state, want_state) and torch.equal(out, want_out)
+    B, T = p.B, p.T
+    snapshot_slots = torch.arange(B * T, dtype=torch.int32, device="cuda").view(B, T) % p.state.shape[0]
+    for target in (state, want_state):
+        for _ in range(3):
+            rs.gdn_spec_decode_snapshot(p.q, p.k, p.v, snapshot_slots=snapshot_slots, out=out,
+                                        check=target is want_state, **p.call_kwargs(state=target))
+    assert torch.equal(state, want_state)
+
+
+@pytest.mark.gpu
+def test_a_misaligned_out_is_never_repeated():
+    REPEATS.clear()
+    p = make_batch_problem([2, 3], H=2, HV=4, K=128, V=128, device="cuda")
+    records = p.records()
+    buffer = torch.empty(p.v.numel() + 1, dtype=p.v.dtype, device="cuda")
+    out = buffer[1:].view(p.v.shape)          # rows not 16-byte aligned: written through a packed copy
+    for _ in range(3):
+        rs.gdn_verify(p.q, p.k, p.v, records=records, out=out, **p.call_kwargs())
+    assert len(REPEATS) == 0
 
 
 @pytest.mark.gpu

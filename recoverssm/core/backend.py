@@ -15,12 +15,21 @@ import torch
 
 from .pointers import PointerEncoding
 
-#: What a kernel-facing function may return: its launch, bound to the addresses of the tensors it
-#: was given, to be called again (with no argument) for an eager call whose tensors have exactly
-#: that layout: the same addresses, dtypes, devices, shapes and strides, new values
-#: (``core/repeats.py``). It must hold no tensor, launch on the current stream, and return False
-#: without launching when it cannot run (the call then goes through the op).
-Launch = Callable[[], bool]
+class Launch:
+    """What a kernel-facing function may return: its launch, bound to the addresses of the
+    tensors it was given, to be called again (with no argument) for an eager call whose tensors
+    have exactly that layout: the same addresses, dtypes, devices, shapes and strides, new values
+    (``core/repeats.py``). ``run`` must hold no tensor, launch on the current stream with the
+    device it was bound on made current, and return False without launching when it cannot run
+    (the call then goes through the op). Anything else a backend returns is ignored."""
+
+    __slots__ = ("run",)
+
+    def __init__(self, run: Callable[[], bool]):
+        self.run = run
+
+    def __call__(self) -> bool:
+        return self.run()
 
 
 class Backend(ABC):

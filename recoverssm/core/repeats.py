@@ -6,19 +6,25 @@ the caching allocator hands out at the same addresses). Everything the op does b
 starts (the dispatcher, the argument checks, resolving the backend, choosing the kernel's
 specialization) depends only on that layout and on the scalar arguments. So when an op has run
 once through ``torch.ops.recoverssm.*``, the backend may hand back the launch it made, as a
-callable bound to those addresses (:meth:`Backend.recurrence` and the conv methods return it),
-and a later eager call whose *call key* is the same calls it directly.
+:class:`~recoverssm.core.backend.Launch` bound to those addresses (:meth:`Backend.recurrence`
+and the conv methods return it), and a later eager call whose *call key* is the same calls it
+directly.
 
 The call key (:func:`call_key`) is the op's name, every argument that is not a tensor (scalars,
-``check``, the ``backend`` name), for every tensor its address, dtype, shape, strides and device,
-the environment the registry resolves backends from, and the registry's generation (it changes
-when a plugin is registered or removed). Two calls with one key pass the same checks and launch
-the same kernel on the same memory; only the values in that memory may differ. The bound launch
-holds no tensor: it is only ever called with live tensors at exactly those addresses.
+floats by their exact bits, ``check``, the ``backend`` name), for every tensor its address,
+dtype, shape, strides and device, the environment the registry resolves backends from, and the
+registry's generation (it changes when a plugin is registered or removed). Two calls with one key
+pass the same checks and launch the same kernel on the same memory; only the values in that
+memory may differ. The bound launch holds no tensor: it is only ever called with live tensors at
+exactly those addresses.
 
-The shortcut is not taken (the call goes through the op) while ``torch.compile`` traces, under
-a ``TorchFunctionMode`` or ``TorchDispatchMode``, for tensor subclasses, and when the call wants
-value checks (CPU tensors, ``check=True``, ``RECOVERSSM_CHECK=1``): those run in the op.
+The shortcut is not taken (the call goes through the op) while ``torch.compile`` or
+``torch.jit.trace`` traces, under a ``TorchFunctionMode`` or ``TorchDispatchMode`` (including
+the one ``torch.set_default_device`` installs), for tensor subclasses and tensors whose negation
+or conjugation is a pending view bit (the dispatcher would materialize them), and when the call
+wants value checks (CPU tensors, ``check=True``, ``RECOVERSSM_CHECK=1``): those run in the op.
+A repeated call is one kernel launch and nothing else: ``torch.profiler`` shows the kernel
+without a ``recoverssm::`` op around it, and Triton's launch hooks are not called.
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from .backend import Launch
 from .registry import registry
 from .validation import wants_value_checks
 
@@ -37,13 +44,15 @@ _Tensor = torch.Tensor
 
 def call_key(op: str, args: Sequence) -> Optional[tuple]:
     """The key of a call of ``op`` with its schema's positional ``args``; ``None`` when a tensor
-    argument has no plain address (a subclass, a tensor without storage)."""
+    argument is not plain memory (a subclass, a negative or conjugate view)."""
     key = [op, registry().state()]
     for x in args:
         if isinstance(x, _Tensor):
-            if type(x) is not _Tensor:
+            if type(x) is not _Tensor or x.is_neg() or x.is_conj():
                 return None
             key += (x.data_ptr(), x.dtype, x.shape, x.stride(), x.device)
+        elif isinstance(x, float):
+            key.append(x.hex())         # the exact bits: -0.0 and 0.0 differ
         else:
             key.append(x)
     return tuple(key)
@@ -54,7 +63,7 @@ class Repeats:
 
     def __init__(self, size: int = 2048):
         self.size = size
-        self._launches: dict[tuple, Callable[[], bool]] = {}
+        self._launches: dict[tuple, Callable[[], bool]] = {}     # key -> Launch.run
         #: How many calls took the shortcut (tests and benchmarks read it).
         self.hits = 0
 
@@ -64,9 +73,10 @@ class Repeats:
     def clear(self) -> None:
         self._launches.clear()
 
-    def remember(self, op: str, args: Sequence, launch: Optional[Callable[[], bool]]) -> None:
-        """Keep ``launch`` (the backend's bound launch of this call, or ``None``) for repeats."""
-        if launch is None or op not in REPEATABLE:
+    def remember(self, op: str, args: Sequence, launch: object) -> None:
+        """Keep ``launch`` for repeats of this call when it is a :class:`Launch` (what the
+        backend's function returned; anything else is ignored)."""
+        if not isinstance(launch, Launch) or op not in REPEATABLE:
             return
         try:
             key = call_key(op, args)
@@ -76,21 +86,21 @@ class Repeats:
             return
         if len(self._launches) >= self.size:
             self._launches.clear()
-        self._launches[key] = launch
+        self._launches[key] = launch.run
 
     def run(self, op: str, args: Sequence, check: Optional[bool]) -> bool:
         """Launch this call through a bound launch when it repeats one; ``False`` when the call
         must go through the op (nothing was launched). ``args[0]`` (``x`` or ``q``) gives the
         device the value checks are decided for."""
         if (not self._launches or torch.compiler.is_compiling() or torch._C._len_torch_function_stack()
-                or torch._C._len_torch_dispatch_stack() or not isinstance(args[0], _Tensor)
-                or wants_value_checks(check, args[0].device)):
+                or torch._C._len_torch_dispatch_stack() or torch._C._get_tracing_state() is not None
+                or not isinstance(args[0], _Tensor) or wants_value_checks(check, args[0].device)):
             return False
         try:
             key = call_key(op, args)
-        except RuntimeError:
+            launch = self._launches.get(key) if key is not None else None
+        except (RuntimeError, TypeError):    # no address; an unhashable argument (the op names it)
             return False
-        launch = self._launches.get(key) if key is not None else None
         if launch is None or not launch():
             return False
         self.hits += 1

@@ -86,8 +86,9 @@ class TritonBackend(Backend):
                                                                query_start_loc, gates, scale, use_qk_l2norm,
                                                                null_slot, out, records, snapshot_slots))
 
-    def _repeat_on(self, device: torch.device, bound: Optional[Launch]) -> Optional[Launch]:
-        """A bound launch that makes ``device`` current first, as the first launch did."""
+    def _repeat_on(self, device: torch.device, bound) -> Optional[Launch]:
+        """A bound launch (``DirectLauncher``'s, or ``None``) that makes ``device`` current
+        first, as the first launch did."""
         if bound is None:
             return None
         guard = self.device_guard
@@ -95,7 +96,7 @@ class TritonBackend(Backend):
         def repeat() -> bool:
             with guard(device):
                 return bound()
-        return repeat
+        return Launch(repeat)
 
     def plan_commit(self, num_accepted, state_indices, query_start_loc, request_indices,
                     block_table, num_computed_tokens, block_size, null_slot, num_slots, out):

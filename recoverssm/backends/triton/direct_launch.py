@@ -31,6 +31,8 @@ import torch
 
 log = logging.getLogger(__name__)
 INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
+#: A launch bound to its arguments (:meth:`DirectLauncher.bind`): True when it launched.
+Bound = Callable[[], bool]
 
 try:        # what Triton's own launch path uses: the raw handle of a device's current stream
     from torch._C import _cuda_getCurrentRawStream as _current_stream
@@ -67,7 +69,7 @@ class DirectLauncher:
         self.non_pointers = tuple(i for i, p in enumerate(runtime) if not p.name.endswith("_ptr"))
 
     def __call__(self, grid: Sequence[int], args: Sequence, constexprs: dict, options: dict, *,
-                 bind: bool = False) -> Optional[Callable[[], bool]]:
+                 bind: bool = False) -> Optional[Bound]:
         """``args``: the runtime arguments in order (tensors for ``*_ptr``); ``constexprs`` by name.
         ``bind``: also return this launch bound to the tensors' addresses, holding none of them
         (:meth:`bind` with ``hold_arguments=False``), or ``None`` where the direct path is off."""
@@ -82,16 +84,16 @@ class DirectLauncher:
                 try:
                     _run(compiled, grid, key[0], (*args, *(constexprs[n] for n in self.constexpr_names)))
                     return self._bound(compiled, key[0], grid, args, constexprs, options, False) if bind else None
-                except (AttributeError, TypeError) as exc:
+                except (AttributeError, TypeError) as exc:     # nothing launched: Triton's path below
                     self._disable(exc)
-                    return None
+                    key = None
         compiled = self.kernel[grid](*args, **constexprs, **options)
         if key is not None and compiled is not None and not hasattr(compiled, "result"):
             self.compiled[key] = compiled
         return None
 
     def bind(self, grid: Sequence[int], args: Sequence, constexprs: dict, options: dict, *,
-             hold_arguments: bool = True) -> Optional[Callable[[], bool]]:
+             hold_arguments: bool = True) -> Optional[Bound]:
         """A launch of these very arguments, to repeat with no per-call work but reading the
         current stream: pointers become plain addresses (so Triton's launcher neither looks up
         ``data_ptr`` nor asks the driver about each pointer) and the binary is the one
@@ -112,7 +114,7 @@ class DirectLauncher:
         return self._bound(compiled, key[0], grid, args, constexprs, options, hold_arguments)
 
     def _bound(self, compiled, device_index: int, grid: Sequence[int], args: Sequence, constexprs: dict,
-               options: dict, hold_arguments: bool) -> Callable[[], bool]:
+               options: dict, hold_arguments: bool) -> Bound:
         pointers = set(self.pointers)
         runner = compiled.run
         head = (*grid, *(1,) * (3 - len(grid)))

@@ -15,13 +15,13 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 import triton
 
-from ...core.backend import CommitLayer, Committer, GateInputs, GroupStep, Launch
+from ...core.backend import CommitLayer, Committer, GateInputs, GroupStep
 from ...core.pointers import PointerEncoding
 from . import commit as commit_kernels
 from .commit import grouped_commit_kernel, plan_commit_kernel
 from .config import CommitSpec, LaunchTable, RecurrenceSpec, interpreting
 from .conv import conv_decode_kernel, conv_verify_kernel
-from .direct_launch import DirectLauncher
+from .direct_launch import Bound, DirectLauncher
 from .recurrence import MODE_DECODE, MODE_SNAPSHOT, MODE_VERIFY, recurrence_kernel
 
 MODES = {"verify": MODE_VERIFY.value, "decode": MODE_DECODE.value, "snapshot": MODE_SNAPSHOT.value}
@@ -63,7 +63,7 @@ def _conv_constexprs(table: LaunchTable, width: int, bias, silu) -> tuple[dict, 
 
 
 def conv_verify(table: LaunchTable, x, conv_state, weight, bias, state_indices, query_start_loc,
-                silu, null_slot, out) -> Optional[Launch]:
+                silu, null_slot, out) -> Optional[Bound]:
     dim, width = x.shape[1], weight.shape[1]
     B = state_indices.shape[0]
     if B == 0 or x.shape[0] == 0:
@@ -76,7 +76,7 @@ def conv_verify(table: LaunchTable, x, conv_state, weight, bias, state_indices, 
 
 
 def conv_decode(table: LaunchTable, x, conv_state, weight, bias, state_indices, silu, null_slot,
-                out) -> Optional[Launch]:
+                out) -> Optional[Bound]:
     dim, width = x.shape[1], weight.shape[1]
     B = state_indices.shape[0]
     if B == 0:
@@ -192,7 +192,7 @@ def _specialize_recurrence(table: LaunchTable, state_dtype: torch.dtype, H: int,
 
 def recurrence(table: LaunchTable, mode: str, q, k, v, state, state_indices, query_start_loc,
                gates: GateInputs, scale: float, use_qk_l2norm: bool, null_slot: int, out,
-               records, snapshot_slots) -> Optional[Launch]:
+               records, snapshot_slots) -> Optional[Bound]:
     """Launch the recurrence; return the launch bound to the caller's tensors for eager repeats,
     ``None`` where it launched on packed copies of misaligned tensors (or did not launch)."""
     packed = _aligned_token_inputs(q, k, v, out)
@@ -205,7 +205,7 @@ def recurrence(table: LaunchTable, mode: str, q, k, v, state, state_indices, que
 
 def _launch_recurrence(table: LaunchTable, mode: str, q, k, v, state, state_indices, query_start_loc,
                        gates: GateInputs, scale: float, use_qk_l2norm: bool, null_slot: int, out,
-                       records, snapshot_slots, aligned: bool) -> Optional[Launch]:
+                       records, snapshot_slots, aligned: bool) -> Optional[Bound]:
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     B = state_indices.shape[0]

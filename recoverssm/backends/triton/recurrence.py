@@ -350,15 +350,15 @@ def recurrence_kernel(
                 dt_bias = tl.load(dt_bias_ptr + hv)
         fetched = fetch_token(tl.minimum(start, num_tokens - 1), q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
                               stride_q_t, stride_k_t, stride_v_t, stride_a_t, stride_b_t, q_head, k_head,
-                              v_head, a_head, hv, offs_k, mask_k, offs_v, mask_v, offs_g, mask_g, ALIGNED, EXACT_K, EXACT_V,
-                              QK_EVICTION, VECTOR_DECAY)
+                              v_head, a_head, hv, offs_k, mask_k, offs_v, mask_v, offs_g, mask_g, ALIGNED, EXACT_K,
+                              EXACT_V, QK_EVICTION, VECTOR_DECAY)
         for t in range(0, length):
             k_t, q_t, v_t, a_t, b_t = fetched
             # the next token's loads go out now (the last iteration fetches its own token again)
             fetched = fetch_token(start + tl.minimum(t + 1, length - 1), q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
                                   stride_q_t, stride_k_t, stride_v_t, stride_a_t, stride_b_t, q_head, k_head,
-                                  v_head, a_head, hv, offs_k, mask_k, offs_v, mask_v, offs_g, mask_g, ALIGNED, EXACT_K, EXACT_V,
-                                  QK_EVICTION, VECTOR_DECAY)
+                                  v_head, a_head, hv, offs_k, mask_k, offs_v, mask_v, offs_g, mask_g, ALIGNED,
+                                  EXACT_K, EXACT_V, QK_EVICTION, VECTOR_DECAY)
             k_hat, q_hat, v_t, decay, beta = prepare_token(k_t, q_t, v_t, a_t, b_t, gate_scale, dt_bias, scale,
                                                            lower_bound, GATES_PRECOMPUTED, USE_L2NORM,
                                                            PTX_WIDEN_BF16, LOWER_BOUND)
