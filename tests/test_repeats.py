@@ -113,6 +113,17 @@ def test_a_repeat_launches_without_the_op(counting):
     assert (counting.calls, counting.repeats) == (1, 2)
 
 
+def test_model_weights_as_parameters_repeat(counting):
+    p = make_batch_problem([3, 1, 4])
+    gates = {n: torch.nn.Parameter(t, requires_grad=False) if n in ("A_log", "dt_bias") else t
+             for n, t in p.gates.items()}
+    records, out = p.records(), torch.empty_like(p.v)
+    kw = dict(p.call_kwargs(), **gates)
+    for _ in range(2):
+        rs.gdn_verify(p.q, p.k, p.v, records=records, out=out, backend=COUNTING, **kw)
+    assert (counting.calls, counting.repeats) == (1, 1)
+
+
 def test_every_op_family_repeats(counting):
     x, conv_state, weight, bias, slots, qsl = conv_problem("cpu", [2, 3])
     out = torch.empty_like(x)
@@ -299,7 +310,7 @@ def test_repeated_launches_compute_what_the_op_computes(state_dtype):
     state, hits = p.state.clone(), REPEATS.hits
     for _ in range(3):
         rs.gdn_decode(p.q, p.k, p.v, out=out, **p.call_kwargs(state=state))
-    assert REPEATS.hits == hits + 1          # the first call compiles or binds, the second binds
+    assert REPEATS.hits == hits + 2          # verify compiled the one binary: the first call binds
     want_state = p.state.clone()
     for _ in range(3):
         rs.gdn_decode(p.q, p.k, p.v, out=want_out, check=True, **p.call_kwargs(state=want_state))

@@ -60,13 +60,6 @@ def _out_like(x: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
     return torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
 
 
-def _call(op_name: str, args: tuple, check: Optional[bool]) -> None:
-    """Run ``torch.ops.recoverssm.<op_name>(*args)``, or, for an eager call that repeats an
-    earlier call's layout, that call's launch (``core/repeats.py``)."""
-    if not REPEATS.run(op_name, args, check):
-        op(op_name)(*args)
-
-
 def _records(op_name: str, records) -> ReplayRecords:
     if not isinstance(records, ReplayRecords):
         raise TypeError(f"{op_name}: records must be a ReplayRecords, got {type(records).__name__}")
@@ -94,14 +87,16 @@ def conv_verify(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
     ``window`` tokens. Returns ``out``: ``[T_total, conv_dim]`` in ``x.dtype`` (padding rows: zeros).
     """
     name = "conv_verify"
-    check_types(name, x=x, conv_state=conv_state, weight=weight, bias=bias, state_indices=state_indices,
-                query_start_loc=query_start_loc, out=out)
     silu = _silu(name, activation)
-    check_int(name, "null_slot", null_slot)
-    out = _out_like(x, out)
-    _call(name, (x, conv_state, weight, bias, state_indices, query_start_loc, silu, null_slot, out,
-                 resolve_name(backend), check), check)
-    return out
+    result = _out_like(x, out) if isinstance(x, torch.Tensor) else out
+    args = (x, conv_state, weight, bias, state_indices, query_start_loc, silu, null_slot, result,
+            resolve_name(backend), check)
+    if not REPEATS.run(name, args, check):
+        check_types(name, x=x, conv_state=conv_state, weight=weight, bias=bias, state_indices=state_indices,
+                    query_start_loc=query_start_loc, out=out)
+        check_int(name, "null_slot", null_slot)
+        op(name)(*args)
+    return result
 
 
 def conv_decode(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
@@ -122,14 +117,15 @@ def conv_decode(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
     Returns ``out`` ``[B, conv_dim]`` in ``x.dtype`` (padding rows: zeros, history untouched).
     """
     name = "conv_decode"
-    check_types(name, x=x, conv_state=conv_state, weight=weight, bias=bias, state_indices=state_indices,
-                out=out)
     silu = _silu(name, activation)
-    check_int(name, "null_slot", null_slot)
-    out = _out_like(x, out)
-    _call(name, (x, conv_state, weight, bias, state_indices, silu, null_slot, out, resolve_name(backend), check),
-          check)
-    return out
+    result = _out_like(x, out) if isinstance(x, torch.Tensor) else out
+    args = (x, conv_state, weight, bias, state_indices, silu, null_slot, result, resolve_name(backend), check)
+    if not REPEATS.run(name, args, check):
+        check_types(name, x=x, conv_state=conv_state, weight=weight, bias=bias, state_indices=state_indices,
+                    out=out)
+        check_int(name, "null_slot", null_slot)
+        op(name)(*args)
+    return result
 
 
 # ------------------------------------------------------------------------------------------------
@@ -170,27 +166,33 @@ _RECURRENCE_DOC = """
 def _recurrence(kind: str, mode: str, q, k, v, state, state_indices, query_start_loc, records, snapshot_slots,
                 gates: dict, scale, use_qk_l2norm, null_slot, out, backend, check) -> torch.Tensor:
     name = f"{kind}_{'spec_decode_snapshot' if mode == 'snapshot' else mode}"
-    lower = {} if kind == "gdn" else {"lower_bound": gates.pop("lower_bound")}
+    lower = () if kind == "gdn" else (gates.pop("lower_bound"),)
+    # A repeat of an earlier call's layout is tried first: its key holds every argument, so it
+    # only matches arguments of the types that call passed its checks with.
+    result = _out_like(v, out) if isinstance(v, torch.Tensor) else out
+    head = (q, k, v, state, state_indices, query_start_loc)
+    tail = (scale, use_qk_l2norm, null_slot, result, resolve_name(backend), check)
+    gate_args = (gates["a"], gates["b"], gates["A_log"], gates["dt_bias"], gates["g"], gates["beta"])
+    if mode == "verify":
+        rec = _records(name, records)
+        args = (*head, rec.correction, rec.key, rec.decay, *gate_args, *lower, *tail)
+    elif mode == "decode":
+        args = (*head, *gate_args, *lower, *tail)
+    else:
+        args = (*head, snapshot_slots, *gate_args, *lower, *tail)
+    if REPEATS.run(name, args, check):
+        return result
     check_types(name, q=q, k=k, v=v, state=state, state_indices=state_indices, query_start_loc=query_start_loc,
                 snapshot_slots=snapshot_slots, out=out, **gates)
     check_int(name, "null_slot", null_slot)
     check_real(name, "scale", scale)
-    check_real(name, "lower_bound", lower.get("lower_bound"))
+    check_real(name, "lower_bound", lower[0] if lower else None)
     if not isinstance(use_qk_l2norm, bool):
         raise TypeError(f"{name}: use_qk_l2norm must be a bool, got {type(use_qk_l2norm).__name__}")
-    out = _out_like(v, out)
-    head = (q, k, v, state, state_indices, query_start_loc)
-    tail = (scale, use_qk_l2norm, null_slot, out, resolve_name(backend), check)
-    gate_args = (gates["a"], gates["b"], gates["A_log"], gates["dt_bias"], gates["g"], gates["beta"])
-    if mode == "verify":
-        rec = _records(name, records)
-        args = (*head, rec.correction, rec.key, rec.decay, *gate_args, *lower.values(), *tail)
-    elif mode == "decode":
-        args = (*head, *gate_args, *lower.values(), *tail)
-    else:
-        args = (*head, snapshot_slots, *gate_args, *lower.values(), *tail)
-    _call(name, args, check)
-    return out
+    if result is None:
+        result = _out_like(v, out)       # v is not a tensor: this raises as before the checks above
+    op(name)(*args)
+    return result
 
 
 def gdn_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, state: torch.Tensor,

@@ -20,9 +20,10 @@ exactly those addresses.
 
 The shortcut is not taken (the call goes through the op) while ``torch.compile`` or
 ``torch.jit.trace`` traces, under a ``TorchFunctionMode`` or ``TorchDispatchMode`` (including
-the one ``torch.set_default_device`` installs), for tensor subclasses and tensors whose negation
-or conjugation is a pending view bit (the dispatcher would materialize them), and when the call
-wants value checks (CPU tensors, ``check=True``, ``RECOVERSSM_CHECK=1``): those run in the op.
+the one ``torch.set_default_device`` installs), for tensor subclasses (``nn.Parameter`` aside)
+and tensors whose negation or conjugation is a pending view bit (the dispatcher would
+materialize them), and when the call wants value checks (CPU tensors, ``check=True``,
+``RECOVERSSM_CHECK=1``): those run in the op.
 A repeated call is one kernel launch and nothing else: ``torch.profiler`` shows the kernel
 without a ``recoverssm::`` op around it, and Triton's launch hooks are not called.
 """
@@ -40,19 +41,24 @@ from .validation import wants_value_checks
 REPEATABLE = frozenset({"conv_verify", "conv_decode"} | {f"{kind}_{mode}" for kind in ("gdn", "kda")
                                                          for mode in ("verify", "decode", "spec_decode_snapshot")})
 _Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter    # model weights (A_log, dt_bias, conv weights): plain memory
 
 
 def call_key(op: str, args: Sequence) -> Optional[tuple]:
     """The key of a call of ``op`` with its schema's positional ``args``; ``None`` when a tensor
-    argument is not plain memory (a subclass, a negative or conjugate view)."""
+    argument is not plain memory (a subclass other than ``nn.Parameter``, a negative or
+    conjugate view)."""
     key = [op, registry().state()]
     for x in args:
-        if isinstance(x, _Tensor):
-            if type(x) is not _Tensor or x.is_neg() or x.is_conj():
+        cls = x.__class__
+        if cls is _Tensor or cls is _Parameter:
+            if x.is_neg() or x.is_conj():
                 return None
             key += (x.data_ptr(), x.dtype, x.shape, x.stride(), x.device)
-        elif isinstance(x, float):
+        elif cls is float:
             key.append(x.hex())         # the exact bits: -0.0 and 0.0 differ
+        elif isinstance(x, _Tensor):
+            return None
         else:
             key.append(x)
     return tuple(key)
