@@ -284,11 +284,12 @@ def test_call_key_has_every_layout_field():
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 def test_repeated_launches_compute_what_the_op_computes(state_dtype):
     REPEATS.clear()
-    p = make_batch_problem([4, 1, 3, 4], padding=(1,), H=2, HV=4, K=128, V=128, state_dtype=state_dtype,
-                           device="cuda")
+    # sources in slots [1, 8), snapshot slots from 8 on: no snapshot overwrites a slot a row reads
+    shape = dict(padding=(1,), H=2, HV=4, K=128, V=128, state_dtype=state_dtype, device="cuda", num_slots=8 + 4 * 4,
+                 sources_below=8)
+    p = make_batch_problem([4, 1, 3, 4], **shape)
     records, out = p.records(), torch.empty_like(p.v)
-    fresh = make_batch_problem([4, 1, 3, 4], padding=(1,), H=2, HV=4, K=128, V=128, state_dtype=state_dtype,
-                               device="cuda", seed=7)
+    fresh = make_batch_problem([4, 1, 3, 4], seed=7, **shape)
     rs.gdn_verify(p.q, p.k, p.v, records=records, out=out, **p.call_kwargs())   # compiles
     rs.gdn_verify(p.q, p.k, p.v, records=records, out=out, **p.call_kwargs())   # binds
     hits = REPEATS.hits
@@ -316,7 +317,7 @@ def test_repeated_launches_compute_what_the_op_computes(state_dtype):
         rs.gdn_decode(p.q, p.k, p.v, out=want_out, check=True, **p.call_kwargs(state=want_state))
     assert torch.equal(state, want_state) and torch.equal(out, want_out)
     B, T = p.B, p.T
-    snapshot_slots = torch.arange(B * T, dtype=torch.int32, device="cuda").view(B, T) % p.state.shape[0]
+    snapshot_slots = torch.arange(B * T, dtype=torch.int32, device="cuda").view(B, T) + 8
     for target in (state, want_state):
         for _ in range(3):
             rs.gdn_spec_decode_snapshot(p.q, p.k, p.v, snapshot_slots=snapshot_slots, out=out,
