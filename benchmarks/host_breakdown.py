@@ -14,7 +14,9 @@ of each layer:
 * verify: ``rs.gdn_verify`` (the Python API) > ``torch.ops.recoverssm.gdn_verify`` (the
   dispatcher) > the op's body (``core.ops.IMPLEMENTATIONS``) > the argument checks
   (``core.arguments.check_recurrence``), the backend's resolution (``core.ops.backend_for``) and
-  the backend's ``recurrence`` (on a Triton backend: ``launch.recurrence``, the launcher).
+  the backend's ``recurrence`` (on a Triton backend: ``launch.recurrence``, the launcher). A call
+  that repeats an earlier call's layout (on a GPU) is the API's own work, the call key
+  (``core.repeats.call_key``, its own row) and the bound launch instead of the dispatcher.
 * commit, the checked path (a step whose tensors are not those of the last call; here two sets
   of index tensors alternate): ``CommitContext.commit`` > ``torch.ops.recoverssm.commit`` >
   the op's body (``core.commit.run_commit_op``) > the step's checks
@@ -117,6 +119,7 @@ def verify_pieces(w, backend: str, out) -> list:
     import recoverssm as rs
     from recoverssm.core.arguments import check_recurrence
     from recoverssm.core.ops import IMPLEMENTATIONS, backend_for
+    from recoverssm.core.repeats import call_key
 
     rec = w.records
     records = (rec.correction, rec.key, rec.decay)
@@ -138,6 +141,8 @@ def verify_pieces(w, backend: str, out) -> list:
     run = functools.partial(be.recurrence, "verify", w.q, w.k, w.v, w.state, w.state_indices, w.query_start_loc,
                             args.gates, args.scale, True, -1, out, records, None)
     rows = [("verify", "gdn_verify (API)", api),
+            ("verify", "  repeats.call_key (what a repeated call computes before its launch)",
+             functools.partial(call_key, "gdn_verify", op.args)),
             ("verify", "torch.ops.recoverssm.gdn_verify (dispatcher)", op),
             ("verify", "op body: IMPLEMENTATIONS['gdn_verify']", body),
             ("verify", "  check_recurrence (argument checks)", checks),

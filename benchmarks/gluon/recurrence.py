@@ -1,6 +1,6 @@
 """Gated DeltaNet recurrence in Gluon for Hopper (sm_90): verify, native decode and snapshot in one binary.
 
-An experiment beside the library's Triton kernel (``recoverssm/backends/triton/gdn.py``), with the
+An experiment beside the library's Triton kernel (``recoverssm/backends/triton/recurrence.py``), with the
 same runtime interface: the mode (0 verify, 1 decode, 2 snapshot) is a runtime argument, the
 per-token step is one ``@gluon.jit`` helper, and everything that may differ between a verify call
 and the native call it must match is kept out of the specialization. Verify's records therefore
@@ -638,7 +638,7 @@ def launch(mode: str, q, k, v, state, state_indices, query_start_loc, gates, sca
            use_qk_l2norm: bool, null_slot: int, out, records, snapshot_slots,
            variant: str | Variant = "rs8x8") -> None:
     """Run the Gluon recurrence on torch tensors, with the arguments of the library's
-    ``recoverssm/backends/triton/launch.py::gdn_recurrent``.
+    ``recoverssm/backends/triton/launch.py::recurrence``.
 
     ``mode``: ``"verify"`` (``records`` = (correction, key, decay)), ``"decode"`` or
     ``"snapshot"`` (``snapshot_slots`` ``[B, T_max]`` int32). ``gates``: a
