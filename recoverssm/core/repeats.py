@@ -21,9 +21,9 @@ exactly those addresses.
 The shortcut is not taken (the call goes through the op) while ``torch.compile`` or
 ``torch.jit.trace`` traces, under a ``TorchFunctionMode`` or ``TorchDispatchMode`` (including
 the one ``torch.set_default_device`` installs), for tensor subclasses (``nn.Parameter`` aside)
-and tensors whose negation or conjugation is a pending view bit (the dispatcher would
-materialize them), and when the call wants value checks (CPU tensors, ``check=True``,
-``RECOVERSSM_CHECK=1``): those run in the op.
+and tensors whose negation is a pending view bit (the dispatcher would materialize it), and when
+the call wants value checks (CPU tensors, ``check=True``, ``RECOVERSSM_CHECK=1``): those run in
+the op.
 A repeated call is one kernel launch and nothing else: ``torch.profiler`` shows the kernel
 without a ``recoverssm::`` op around it, and Triton's launch hooks are not called.
 """
@@ -46,13 +46,14 @@ _Parameter = torch.nn.Parameter    # model weights (A_log, dt_bias, conv weights
 
 def call_key(op: str, args: Sequence) -> Optional[tuple]:
     """The key of a call of ``op`` with its schema's positional ``args``; ``None`` when a tensor
-    argument is not plain memory (a subclass other than ``nn.Parameter``, a negative or
-    conjugate view)."""
+    argument is not plain memory (a subclass other than ``nn.Parameter``, a negative view).
+    A conjugate view needs no test: only complex tensors carry that bit, and the dtype in the key
+    never matches a call that passed the checks (no op takes complex tensors)."""
     key = [op, registry().state()]
     for x in args:
         cls = x.__class__
         if cls is _Tensor or cls is _Parameter:
-            if x.is_neg() or x.is_conj():
+            if x.is_neg():
                 return None
             key += (x.data_ptr(), x.dtype, x.shape, x.stride(), x.device)
         elif cls is float:
