@@ -190,6 +190,7 @@ def bench_host(progress: ProgressBar) -> list[dict]:
     verify = functools.partial(rs.gdn_verify, w.q, w.k, w.v, state=w.state, state_indices=w.state_indices,
                                query_start_loc=w.query_start_loc, records=w.records, out=torch.empty_like(w.v),
                                **w.gates())
+
     def verify_new_layout():
         REPEATS.clear()
         verify()

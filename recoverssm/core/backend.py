@@ -1,7 +1,7 @@
 """The backend interface: what a backend declares and the kernel-facing functions it implements.
 
 The kernel-facing functions take tensors and scalars only, mutate only the tensors they name and
-allocate nothing. The conv and recurrence functions may return a :data:`Launch` (a repeat of
+allocate nothing. The conv and recurrence functions may return a :class:`Launch` (a repeat of
 their launch for the same layout) or ``None``; the others return nothing. The ``torch.library``
 ops (``core/ops.py``) validate their arguments (``core/arguments.py``), pick the backend
 (``core/registry.py``) and call these.
@@ -14,6 +14,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .pointers import PointerEncoding
+
 
 class Launch:
     """What a kernel-facing function may return: its launch, bound to the addresses of the
