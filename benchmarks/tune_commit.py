@@ -3,6 +3,7 @@
     python benchmarks/tune_commit.py                          # block_v 16..128 x warps 1..8
     python benchmarks/tune_commit.py --grid "block_v=16,tiles_per_program=2;block_v=32,max_registers=168"
     python benchmarks/tune_commit.py --sweep replay_pairs=0,1 --sweep prefetch_records=0,1 --cases bf16
+    python benchmarks/tune_commit.py --sweep replay_pairs=0,1 --cases kda          # KDA's vector-decay records
     python benchmarks/tune_commit.py --tiny                   # CPU tensors, Triton's interpreter, tiny shapes
     python benchmarks/tune_commit.py --compile [--grid ...]   # no GPU: registers and spills per configuration
 
@@ -15,7 +16,9 @@ inside that block (a context fixes its launch when it is built). Fields: ``block
 
 Cases (H=16, K=V=128, T=4): the benchmark's align-mode commits (groups x layers, requests, state
 dtype; ``recoverssm/bench/problems.py::align_step``) and the commit of its speculative step (one
-layer, fp32 state, row r accepting ``1 + 7r mod T`` tokens, input sets rotated out of L2). Per
+layer, fp32 state, row r accepting ``1 + 7r mod T`` tokens, input sets rotated out of L2), and
+the commit of the KDA benchmark's step (vector-decay records, HV = 32, N = 64 at T = 8 and N = 8
+at T = 4). Per
 configuration and case: the median device time of ``CommitContext.commit`` (CUDA graph replays)
 and its ratio to a device copy of the same traffic (states read and written, records read).
 Prints a table and writes ``$OUT/tune_commit.json`` when ``OUT`` is set. ``--compile`` compiles
@@ -86,6 +89,23 @@ def spec_step_case(N, T, dims, device, copies):
                 [((accepted, w.state_indices, w.query_start_loc), {}) for w in wins], traffic)
 
 
+def kda_step_case(N, T, HV, device, copies):
+    """The commit of the KDA benchmark's speculative step (``recoverssm/bench/kda.py``): one layer
+    of vector-decay records, fp32 state, K = V = 128, row r accepting ``1 + 7r mod T`` tokens."""
+    import recoverssm as rs
+    from recoverssm.bench.kda import K as KDA_K, V as KDA_V, commit_traffic, kda_window
+
+    state = N * HV * KDA_V * KDA_K * 4
+    wins = [kda_window(N, T, HV, seed=i, device=device) for i in range(copies(state))]
+    accepted = torch.tensor([1 + (r * 7) % T for r in range(N)], dtype=torch.int32, device=device)
+    for w in wins:
+        w.verify()
+    return Case(f"kda step 1L x N{N} T{T} HV{HV} fp32", torch.float32,
+                [[[rs.LayerCache(w.state, w.records)]] for w in wins], N,
+                [((accepted, w.state_indices, w.query_start_loc), {}) for w in wins],
+                commit_traffic(state, HV, int(accepted.sum())))
+
+
 def default_configs(k: int) -> list[dict]:
     """block_v x warps, where a thread holds 4 to 128 state elements."""
     return [dict(block_v=bv, warps=w) for bv, w in itertools.product(BLOCK_V, WARPS) if 4 <= bv * k // (32 * w) <= 128]
@@ -148,7 +168,9 @@ def main():
                     ("3x6L x 64req bf16", functools.partial(align_case, 3, 6, 64, torch.bfloat16, hv48, device)),
                     ("3x6L x 8req bf16", functools.partial(align_case, 3, 6, 8, torch.bfloat16, hv48, device)),
                     ("spec step N64 HV32", functools.partial(spec_step_case, 64, 4, hv32, device, copies_for)),
-                    ("spec step N64 HV48", functools.partial(spec_step_case, 64, 4, hv48, device, copies_for))]
+                    ("spec step N64 HV48", functools.partial(spec_step_case, 64, 4, hv48, device, copies_for)),
+                    ("kda step N64 T8", functools.partial(kda_step_case, 64, 8, 32, device, copies_for)),
+                    ("kda step N8 T4", functools.partial(kda_step_case, 8, 4, 32, device, copies_for))]
         default = default_configs(K)
     if args.cases:
         builders = [b for b in builders if any(word in b[0] for word in args.cases.split(","))]

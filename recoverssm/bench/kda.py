@@ -38,6 +38,12 @@ def kda_window(N: int, T: int, HV: int, *, seed: int = 0, device: str = "cuda") 
         family="kda")
 
 
+def commit_traffic(state_bytes: int, HV: int, replayed: int) -> int:
+    """Bytes a one-layer KDA commit moves: the state read and written, and the records of the
+    ``replayed`` tokens (per token and head a correction of V floats, a key and a decay of K)."""
+    return 2 * state_bytes + replayed * HV * (V + K + K) * 4
+
+
 def _fla_kda_call(w: Window, fla_fn) -> Callable[[], object]:
     """flash-linear-attention's fused recurrent KDA on the same window: gates, l2 norm and beta's
     sigmoid in its kernel, the state ``[V, K]`` (``state_v_first``) read from the first N slots."""
@@ -87,9 +93,8 @@ def bench_kda(ceiling: CopyCeiling, quick: bool, fla: bool, progress: ProgressBa
         ctxs = [rs.CommitContext([[rs.LayerCache(w.state, w.records)]], max_batch=N) for w in wins]
         t_commit = median_us([lambda w=w, c=c: c.commit(accepted, w.state_indices, w.query_start_loc)
                               for w, c in zip(wins, ctxs)])
-        replayed = int(accepted.sum())
-        commit_traffic = 2 * state + replayed * HV * (V + K + K) * 4      # state read + written, records read
-        rows.append(row("kda_commit", case, t_commit, commit_traffic, ceiling, N=N, T=T, HV=HV,
+        rows.append(row("kda_commit", case, t_commit, commit_traffic(state, HV, int(accepted.sum())), ceiling,
+                        N=N, T=T, HV=HV,
                         note="traffic = state read + written + records read"))
         t_step = median_us([lambda w=w, c=c: (w.verify(), c.commit(accepted, w.state_indices, w.query_start_loc))
                             for w, c in zip(wins, ctxs)])
