@@ -124,6 +124,40 @@ def test_model_weights_as_parameters_repeat(counting):
     assert (counting.calls, counting.repeats) == (1, 1)
 
 
+def test_a_missed_lookup_hands_its_key_to_the_op(counting, monkeypatch):
+    p = make_batch_problem([3, 2])
+    records, first = p.records(), torch.empty_like(p.v)
+    _verify(p, records, first)                        # the cache is not empty from here on
+    computed = []
+
+    def counted(op, args):
+        computed.append(op)
+        return call_key(op, args)
+
+    monkeypatch.setattr(repeats_module, "call_key", counted)
+    out = torch.empty_like(p.v)
+    _verify(p, records, out)                          # a new layout: one key, for the lookup and the op
+    assert (counting.calls, len(computed)) == (2, 1)
+    _verify(p, records, out)                          # its repeat
+    assert (counting.calls, counting.repeats, len(computed)) == (2, 1, 2)
+
+
+def test_the_cache_rests_where_layouts_do_not_repeat(counting, monkeypatch):
+    monkeypatch.setattr(REPEATS, "window", 8)
+    monkeypatch.setattr(REPEATS, "rest", 5)
+    p = make_batch_problem([3, 2])
+    records = p.records()
+    outs = [torch.empty_like(p.v) for _ in range(9)]
+    for out in outs:                                  # 1 to fill the cache, then 8 lookups that miss
+        _verify(p, records, out)
+    assert REPEATS.resting and counting.repeats == 0
+    for _ in range(5):                                # resting: the op path even for a repeated layout
+        _verify(p, records, outs[-1])
+    assert not REPEATS.resting and counting.repeats == 0
+    _verify(p, records, outs[-2])                     # remembered before the rest: repeats again
+    assert counting.repeats == 1
+
+
 def test_every_op_family_repeats(counting):
     x, conv_state, weight, bias, slots, qsl = conv_problem("cpu", [2, 3])
     out = torch.empty_like(x)

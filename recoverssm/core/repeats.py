@@ -25,7 +25,9 @@ and tensors whose negation is a pending view bit (the dispatcher would materiali
 the call wants value checks (CPU tensors, ``check=True``, ``RECOVERSSM_CHECK=1``): those run in
 the op.
 A repeated call is one kernel launch and nothing else: ``torch.profiler`` shows the kernel
-without a ``recoverssm::`` op around it, and Triton's launch hooks are not called.
+without a ``recoverssm::`` op around it, and Triton's launch hooks are not called. Where layouts
+do not repeat, the cache measures its hit rate and rests (:class:`Repeats`), so that a call
+costs what the op path alone costs.
 """
 from __future__ import annotations
 
@@ -65,30 +67,64 @@ def call_key(op: str, args: Sequence) -> Optional[tuple]:
     return tuple(key)
 
 
-class Repeats:
-    """The bound launches of recent calls, by call key. Bounded: when full it starts over."""
+def _same_arguments(a: Sequence, b: Sequence) -> bool:
+    """Whether two argument tuples hold the very same tensors and equal other values of the same
+    types (so that their call keys are equal)."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x is y:
+            continue
+        if isinstance(x, _Tensor) or type(x) is not type(y) or x != y:
+            return False
+    return True
 
-    def __init__(self, size: int = 2048):
-        self.size = size
+
+class Repeats:
+    """The bound launches of recent calls, by call key. Bounded: when full it starts over.
+
+    A call's key is computed once: a lookup that misses hands its key to the op's
+    :meth:`remember` of the same call (which checks that the arguments and the registry's state
+    are those the key was computed from). Where layouts do not repeat (activations at new addresses
+    every step) keys are pure cost, so the hit rate is measured over every ``window`` lookups;
+    below ``min_hit_rate`` the cache rests for ``rest`` calls (no lookups, nothing remembered:
+    the op path alone, as without this cache), then measures again."""
+
+    def __init__(self, size: int = 2048, window: int = 1024, min_hit_rate: float = 1 / 16, rest: int = 15 * 1024):
+        self.size, self.window, self.min_hit_rate, self.rest = size, window, min_hit_rate, rest
         self._launches: dict[tuple, Callable[[], bool]] = {}     # key -> Launch.run
+        self._missed: Optional[tuple] = None     # (op, args, key) of this call's lookup that missed
+        self._lookups = self._window_hits = self._resting = 0
         #: How many calls took the shortcut (tests and benchmarks read it).
         self.hits = 0
 
     def __len__(self) -> int:
         return len(self._launches)
 
+    @property
+    def resting(self) -> bool:
+        return self._resting > 0
+
     def clear(self) -> None:
+        """Forget every launch and the hit-rate measurement."""
         self._launches.clear()
+        self._missed = None
+        self._lookups = self._window_hits = self._resting = 0
 
     def remember(self, op: str, args: Sequence, launch: object) -> None:
         """Keep ``launch`` for repeats of this call when it is a :class:`Launch` (what the
         backend's function returned; anything else is ignored)."""
-        if not isinstance(launch, Launch) or op not in REPEATABLE:
+        missed, self._missed = self._missed, None
+        if not isinstance(launch, Launch) or op not in REPEATABLE or self._resting:
             return
-        try:
-            key = call_key(op, args)
-        except RuntimeError:      # a tensor without an address
-            return
+        if (missed is not None and missed[0] == op and missed[2][1] == registry().state()
+                and _same_arguments(missed[1], args)):
+            key = missed[2]
+        else:
+            try:
+                key = call_key(op, args)
+            except RuntimeError:      # a tensor without an address
+                return
         if key is None:
             return
         if len(self._launches) >= self.size:
@@ -99,6 +135,10 @@ class Repeats:
         """Launch this call through a bound launch when it repeats one; ``False`` when the call
         must go through the op (nothing was launched). ``args[0]`` (``x`` or ``q``) gives the
         device the value checks are decided for."""
+        self._missed = None
+        if self._resting:
+            self._resting -= 1
+            return False
         if (not self._launches or torch.compiler.is_compiling() or torch._C._len_torch_function_stack()
                 or torch._C._len_torch_dispatch_stack() or torch._C._get_tracing_state() is not None
                 or not isinstance(args[0], _Tensor) or wants_value_checks(check, args[0].device)):
@@ -108,10 +148,22 @@ class Repeats:
             launch = self._launches.get(key) if key is not None else None
         except (RuntimeError, TypeError):    # no address; an unhashable argument (the op names it)
             return False
-        if launch is None or not launch():
+        hit = launch is not None and launch()
+        self._count(hit)
+        if not hit:
+            if key is not None:
+                self._missed = (op, args, key)
             return False
         self.hits += 1
         return True
+
+    def _count(self, hit: bool) -> None:
+        self._lookups += 1
+        self._window_hits += hit
+        if self._lookups >= self.window:
+            if self._window_hits < self.min_hit_rate * self._lookups:
+                self._resting = self.rest
+            self._lookups = self._window_hits = 0
 
 
 #: The one cache the public ops use.

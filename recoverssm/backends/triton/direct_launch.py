@@ -115,11 +115,12 @@ class DirectLauncher:
 
     def _bound(self, compiled, device_index: int, grid: Sequence[int], args: Sequence, constexprs: dict,
                options: dict, hold_arguments: bool) -> Bound:
-        pointers = set(self.pointers)
         runner = compiled.run
         head = (*grid, *(1,) * (3 - len(grid)))
-        tail = (compiled.function, compiled.packed_metadata, None, None, None,
-                *(a.data_ptr() if i in pointers else a for i, a in enumerate(args)),
+        values = list(args)
+        for i in self.pointers:
+            values[i] = values[i].data_ptr()
+        tail = (compiled.function, compiled.packed_metadata, None, None, None, *values,
                 *(constexprs[n] for n in self.constexpr_names))
         held = tuple(args) if hold_arguments else None
 
