@@ -4,6 +4,7 @@
     python benchmarks/host_breakdown.py --device cpu    # CPU tensors, a backend that does nothing
     python benchmarks/host_breakdown.py --cprofile      # and cProfile of the whole calls
     python benchmarks/host_breakdown.py --whole         # the whole calls only (what host_ab.py compares)
+    python benchmarks/host_breakdown.py --device cpu --repeats   # eager repeats (core/repeats.py)
 
 Each row is the median host time of calling only that piece, as wall time and as the calling
 thread's CPU time (``time.thread_time``: what the call itself costs on a shared machine); device
@@ -34,6 +35,7 @@ import argparse
 import cProfile
 import functools
 import io
+import itertools
 import os
 import pstats
 import sys
@@ -45,10 +47,11 @@ NULL_BACKEND = "null"
 NULL_PLUGIN = "benchmarks.host_breakdown.null_backend"
 
 
-def register_null_backend() -> None:
+def register_null_backend(launches: bool = False) -> None:
     """Register backend ``"null"`` (CPU tensors): every kernel-facing function returns at once, and
     its committer commits nothing. Built from the abstract methods of the tree's ``Backend`` and
-    ``Committer``, so that host_ab.py can run it against another source tree."""
+    ``Committer``, so that host_ab.py can run it against another source tree. ``launches``: its
+    recurrence hands over a launch that does nothing (a ``core.backend.Launch``), for repeats."""
     from recoverssm.core.backend import Backend, Committer
     from recoverssm.core.hookspecs import hookimpl
     from recoverssm.core.registry import registry
@@ -58,6 +61,10 @@ def register_null_backend() -> None:
 
     committer = type("NullCommitter", (Committer,), {m: nothing for m in Committer.__abstractmethods__})
     methods = {m: nothing for m in Backend.__abstractmethods__}
+    if launches:
+        from recoverssm.core.backend import Launch
+        launch = Launch(lambda: True)
+        methods["recurrence"] = lambda self, *args, **kwargs: launch
     methods.update(name=NULL_BACKEND, device_types=("cpu",),
                    capabilities=getattr(Backend, "CAPABILITIES", frozenset()),
                    make_committer=lambda self, *args, **kwargs: committer())
@@ -231,6 +238,55 @@ def commit_pieces(step, ctx, index_sets, backend: str) -> list:
     ]
 
 
+def repeat_rows(w, backend: str, out) -> list:
+    """Eager repeats of ``gdn_verify`` with the null backend's do-nothing launch. CPU tensors
+    always want value checks, which keep every call on the op path; here the repeat cache decides
+    as it does for GPU tensors (no value checks unless asked), the op path still checks."""
+    import recoverssm as rs
+    from recoverssm.core import repeats
+
+    repeats.wants_value_checks = lambda check, device: bool(check)
+    cache = repeats.REPEATS
+    kw = dict(state=w.state, state_indices=w.state_indices, query_start_loc=w.query_start_loc, records=w.records,
+              backend=backend, **w.gates())
+    api = functools.partial(rs.gdn_verify, w.q, w.k, w.v, out=out, **kw)
+
+    def in_inference_mode():
+        with torch.inference_mode():
+            api()
+
+    def new_layout():              # the cache emptied: a lookup of nothing, the op, one key
+        cache.clear()
+        api()
+
+    # more layouts in turn than the cache holds (outputs 16 bytes apart in one buffer): every
+    # lookup misses, and the argument checks run too (they remember fewer layouts still)
+    layouts = 4 * cache.size
+    buffer = torch.empty(4 * layouts + out.numel(), dtype=out.dtype)
+    turn = itertools.cycle([buffer[4 * i:4 * i + out.numel()].view(out.shape) for i in range(layouts)])
+
+    def churn():
+        rs.gdn_verify(w.q, w.k, w.v, out=next(turn), **kw)
+
+    def switched_off(call):
+        def without_cache():
+            run, remember = cache.run, cache.remember
+            cache.run, cache.remember = (lambda *a, **k: False), (lambda *a, **k: None)
+            try:
+                call()
+            finally:
+                cache.run, cache.remember = run, remember
+        return without_cache
+
+    return [("verify, repeats", "gdn_verify, a repeated layout", api),
+            ("verify, repeats", "gdn_verify, a repeated layout, inside torch.inference_mode()", in_inference_mode),
+            ("verify, repeats", "gdn_verify, a layout not seen before", new_layout),
+            ("verify, repeats", "gdn_verify, one layout, the repeat cache switched off", switched_off(api)),
+            ("verify, repeats", f"gdn_verify, {layouts} layouts in turn (cache of {cache.size}; it rests)", churn),
+            ("verify, repeats", f"gdn_verify, {layouts} layouts in turn, the repeat cache switched off",
+             switched_off(churn))]
+
+
 DIFFERENCES = [
     ("verify", "Python API", "gdn_verify (API)", ["torch.ops.recoverssm.gdn_verify (dispatcher)"]),
     ("verify", "dispatcher", "torch.ops.recoverssm.gdn_verify (dispatcher)",
@@ -244,6 +300,19 @@ DIFFERENCES = [
     ("commit, repeat path", "Python API (the step's signature compared with the last)", "CommitContext.commit (API)",
      ["  ctx.committer.commit_again (committer)"]),
 ]
+
+
+def print_differences(times: dict) -> None:
+    """Each layer's own cost: a row minus the rows nested in it (``DIFFERENCES``)."""
+    print("-- differences (us, wall / thread CPU)")
+    for g, what, outer, inner in DIFFERENCES:
+        total = _find(times, g, outer)
+        parts = [_find(times, g, p) for p in inner]
+        if total is None or any(p is None for p in parts):
+            continue
+        wall = total[0] - sum(p[0] for p in parts)
+        cpu = total[1] - sum(p[1] for p in parts)
+        print(f"  {g + ': ' + what:82s} {wall:8.2f} / {cpu:8.2f}")
 
 
 def _find(times: dict, group: str, pattern: str):
@@ -278,18 +347,24 @@ def main():
     ap.add_argument("--iters", type=int, default=200, help="timed calls per row")
     ap.add_argument("--whole", action="store_true", help="the whole calls and the reference only")
     ap.add_argument("--cprofile", action="store_true", help="also cProfile each whole call")
+    ap.add_argument("--repeats", action="store_true",
+                    help="with --device cpu: eager repeats of verify (a launch that does nothing)")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda needs a CUDA GPU (--device cpu runs the library's host code alone)")
     backend = "cuda" if args.device == "cuda" else NULL_BACKEND
+    if args.repeats and args.device != "cpu":
+        raise SystemExit("--repeats runs with --device cpu (on a GPU the whole calls repeat already)")
     if args.device == "cpu":
-        register_null_backend()
+        register_null_backend(launches=args.repeats)
     w, step, ctx, index_sets = build(args.device, backend)
     out = torch.empty_like(w.v)
     whole = whole_calls(w, step, ctx, index_sets, backend, out)
     reference = ("reference", f"torch.empty(8, device={args.device!r})",
                  functools.partial(torch.empty, 8, device=args.device))
-    if args.whole:
+    if args.repeats:
+        rows = repeat_rows(w, backend, out) + [reference]
+    elif args.whole:
         rows = [("whole", name, call) for name, call in whole.items()] + [reference]
     else:
         rows = verify_pieces(w, backend, out) + commit_pieces(step, ctx, index_sets, backend) + [reference]
@@ -307,16 +382,8 @@ def main():
         wall, cpu = t["wall_us"], t["cpu_us"]
         times[(g, name)] = (wall, cpu)
         print(f"  {name:82s} {wall:8.2f} / {cpu:8.2f}", flush=True)
-    if not args.whole:
-        print("-- differences (us, wall / thread CPU)")
-        for g, what, outer, inner in DIFFERENCES:
-            total = _find(times, g, outer)
-            parts = [_find(times, g, p) for p in inner]
-            if total is None or any(p is None for p in parts):
-                continue
-            wall = total[0] - sum(p[0] for p in parts)
-            cpu = total[1] - sum(p[1] for p in parts)
-            print(f"  {g + ': ' + what:82s} {wall:8.2f} / {cpu:8.2f}")
+    if not (args.whole or args.repeats):
+        print_differences(times)
     if args.cprofile:
         for name, call in whole.items():
             profile(name, call, args.device)

@@ -144,18 +144,105 @@ def test_a_missed_lookup_hands_its_key_to_the_op(counting, monkeypatch):
 
 def test_the_cache_rests_where_layouts_do_not_repeat(counting, monkeypatch):
     monkeypatch.setattr(REPEATS, "window", 8)
-    monkeypatch.setattr(REPEATS, "rest", 5)
     p = make_batch_problem([3, 2])
     records = p.records()
-    outs = [torch.empty_like(p.v) for _ in range(9)]
-    for out in outs:                                  # 1 to fill the cache, then 8 lookups that miss
+    outs = [torch.empty_like(p.v) for _ in range(40)]
+    for out in outs[:9]:                              # 1 to fill the cache, then 8 lookups that miss
         _verify(p, records, out)
     assert REPEATS.resting and counting.repeats == 0
-    for _ in range(5):                                # resting: the op path even for a repeated layout
-        _verify(p, records, outs[-1])
-    assert not REPEATS.resting and counting.repeats == 0
-    _verify(p, records, outs[-2])                     # remembered before the rest: repeats again
+    calls = counting.calls
+    for _ in range(7):                                # resting (one window's worth of calls): the op
+        _verify(p, records, outs[7])                  # path even for a layout it keeps
+    _verify(p, records, outs[9])                      # ... and nothing new is kept
+    assert not REPEATS.resting and (counting.calls, counting.repeats) == (calls + 8, 0)
+    _verify(p, records, outs[7])                      # kept before the rest: repeats again
+    _verify(p, records, outs[9])                      # seen only while resting: through the op
+    assert (counting.calls, counting.repeats) == (calls + 9, 1)
+    for out in outs[10:16]:                           # 1 hit in this window of 8: enough, no rest
+        _verify(p, records, out)
+    assert not REPEATS.resting
+    for out in outs[16:24]:                           # 8 misses: a rest of one window
+        _verify(p, records, out)
+    assert REPEATS._resting == 8
+    for out in outs[24:40]:                           # 8 resting calls, 8 misses again: twice as long
+        _verify(p, records, out)
+    assert REPEATS._resting == 16
+
+
+def test_a_full_cache_keeps_the_recently_used_half(counting, monkeypatch):
+    monkeypatch.setattr(REPEATS, "size", 4)
+    p = make_batch_problem([3, 2])
+    records = p.records()
+    a, b, c, d, e = (torch.empty_like(p.v) for _ in range(5))
+    for out in (a, b, c, d, a):                       # a, b, c, d kept; a used last
+        _verify(p, records, out)
+    assert (len(REPEATS), counting.repeats) == (4, 1)
+    _verify(p, records, e)                            # full: b and c go, d, a and e stay
+    assert len(REPEATS) == 3
+    for out in (a, d, e):
+        _verify(p, records, out)
+    assert counting.repeats == 4
+    _verify(p, records, b)
+    assert counting.repeats == 4
+
+
+def test_a_missed_key_does_not_outlive_its_call(counting):
+    x, conv_state, weight, bias, slots, _ = conv_problem("cpu", [1, 1])
+    x = x[:2].contiguous()
+    rs.conv_decode(x, conv_state, weight, bias, state_indices=slots, out=torch.empty_like(x), backend=COUNTING)
+    wrong = torch.empty(1, x.shape[1])
+    with pytest.raises(ValueError, match="out"):      # a lookup that misses, then the op refuses
+        rs.conv_decode(x, conv_state, weight, bias, state_indices=slots, out=wrong, backend=COUNTING)
+    assert getattr(REPEATS._local, "missed", None) is None
+
+
+def test_scalars_are_keyed_with_their_types(counting):
+    p = make_batch_problem([3, 2])
+    records, out = p.records(), torch.empty_like(p.v)
+    for _ in range(2):                                # an int scale is the float the op receives
+        _verify(p, records, out, scale=1)
+    assert (counting.calls, counting.repeats) == (1, 1)
+    with pytest.raises(TypeError, match="use_qk_l2norm"):     # 1 == True, but not its type
+        _verify(p, records, out, scale=1, use_qk_l2norm=1)
+
+
+def test_a_repeat_bumps_the_versions_of_what_it_writes(counting):
+    p = make_batch_problem([3, 2])
+    records, out = p.records(), torch.empty_like(p.v)
+    for _ in range(2):
+        _verify(p, records, out)
+    before = [t._version for t in (out, records.correction, records.key, records.decay)]
+    _verify(p, records, out)
+    assert counting.repeats == 2
+    after = [t._version for t in (out, records.correction, records.key, records.decay)]
+    assert all(a > b for a, b in zip(after, before))
+
+
+def test_an_inference_tensor_written_outside_inference_mode_is_refused(counting):
+    p = make_batch_problem([3, 2])
+    with torch.inference_mode():
+        records, out = p.records(), torch.empty_like(p.v)
+        for _ in range(2):
+            _verify(p, records, out)
     assert counting.repeats == 1
+    with pytest.raises(RuntimeError, match="inference"):
+        _verify(p, records, out)
+    assert counting.repeats == 1
+
+
+def test_a_compiled_step_does_not_recompile_as_the_cache_changes(counting):
+    p = make_batch_problem([3, 2])
+    records = p.records()
+
+    def step(q, k, v, out):
+        return rs.gdn_verify(q, k, v, records=records, out=out, backend=COUNTING, **p.call_kwargs())
+
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    outs = [torch.empty_like(p.v) for _ in range(4)]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for out in outs:
+            compiled(p.q, p.k, p.v, out)
+    assert counting.repeats == 0
 
 
 def test_every_op_family_repeats(counting):
@@ -223,6 +310,7 @@ def test_what_makes_a_call_go_through_the_op(counting, monkeypatch, change):
     counting.returns = "callable" if change == "not a Launch" else "launch"
     first = {"scale": 0.0}
     _verify(p, c.records, c.out, **first)
+    assert len(REPEATS) == (change != "not a Launch")     # kept, so the changes below matter
     c.kw.update(first)
     if change in CHANGES:
         CHANGES[change](c, monkeypatch)
@@ -303,7 +391,7 @@ def test_call_key_has_every_layout_field():
     t = torch.zeros(4, 6)
     key = call_key("gdn_verify", (t, 1.0, None, "x"))
     assert (t.data_ptr(), t.dtype, t.shape, t.stride(), t.device) == key[2:7]
-    assert key[7:] == ((1.0).hex(), None, "x")
+    assert key[7:] == ((1.0).hex(), (type(None), None), (str, "x"))
 
     class Sub(torch.Tensor):
         pass
@@ -352,10 +440,12 @@ def test_repeated_launches_compute_what_the_op_computes(state_dtype):
     assert torch.equal(state, want_state) and torch.equal(out, want_out)
     B, T = p.B, p.T
     snapshot_slots = torch.arange(B * T, dtype=torch.int32, device="cuda").view(B, T) + 8
+    hits = REPEATS.hits
     for target in (state, want_state):
         for _ in range(3):
             rs.gdn_spec_decode_snapshot(p.q, p.k, p.v, snapshot_slots=snapshot_slots, out=out,
                                         check=target is want_state, **p.call_kwargs(state=target))
+    assert REPEATS.hits == hits + 2          # the unchecked calls: the first binds, two repeat
     assert torch.equal(state, want_state)
 
 
@@ -382,10 +472,11 @@ def test_repeated_conv_launches_compute_what_the_op_computes():
         rs.conv_verify(x, want_state, weight, bias, state_indices=slots, query_start_loc=qsl, out=want_out,
                        check=True)
         assert torch.equal(out, want_out) and torch.equal(conv_state, want_state), i
+    hits = REPEATS.hits
     x1 = x[:3].contiguous()
     for i in range(3):
         x1.mul_(0.5)
         rs.conv_decode(x1, conv_state, weight, bias, state_indices=slots, out=out[:3])
         rs.conv_decode(x1, want_state, weight, bias, state_indices=slots, out=want_out[:3], check=True)
         assert torch.equal(out, want_out) and torch.equal(conv_state, want_state), i
-    assert REPEATS.hits > 0
+    assert REPEATS.hits == hits + 1          # conv_decode compiles, binds, then repeats

@@ -60,6 +60,22 @@ def _out_like(x: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
     return torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
 
 
+def _through_op(op_name: str, args: tuple) -> None:
+    """``torch.ops.recoverssm.<op_name>(*args)``; the key a missed repeat lookup left for it is
+    dropped afterwards, whatever happens."""
+    try:
+        op(op_name)(*args)
+    finally:
+        REPEATS.forget_miss()
+
+
+def _as_float(value):
+    """An int as the float the op's schema receives; anything else as it is (checked later)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2**1023:
+        return float(value)
+    return value
+
+
 def _records(op_name: str, records) -> ReplayRecords:
     if not isinstance(records, ReplayRecords):
         raise TypeError(f"{op_name}: records must be a ReplayRecords, got {type(records).__name__}")
@@ -95,7 +111,7 @@ def conv_verify(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
         check_types(name, x=x, conv_state=conv_state, weight=weight, bias=bias, state_indices=state_indices,
                     query_start_loc=query_start_loc, out=out)
         check_int(name, "null_slot", null_slot)
-        op(name)(*args)
+        _through_op(name, args)
     return result
 
 
@@ -124,7 +140,7 @@ def conv_decode(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
         check_types(name, x=x, conv_state=conv_state, weight=weight, bias=bias, state_indices=state_indices,
                     out=out)
         check_int(name, "null_slot", null_slot)
-        op(name)(*args)
+        _through_op(name, args)
     return result
 
 
@@ -166,7 +182,8 @@ _RECURRENCE_DOC = """
 def _recurrence(kind: str, mode: str, q, k, v, state, state_indices, query_start_loc, records, snapshot_slots,
                 gates: dict, scale, use_qk_l2norm, null_slot, out, backend, check) -> torch.Tensor:
     name = f"{kind}_{'spec_decode_snapshot' if mode == 'snapshot' else mode}"
-    lower = () if kind == "gdn" else (gates.pop("lower_bound"),)
+    scale = _as_float(scale)           # the op receives floats; an int would key its repeats apart
+    lower = () if kind == "gdn" else (_as_float(gates.pop("lower_bound")),)
     # A repeat of an earlier call's layout is tried first: its key holds every argument, so it
     # only matches arguments of the types that call passed its checks with.
     result = _out_like(v, out) if isinstance(v, torch.Tensor) else out
@@ -191,7 +208,7 @@ def _recurrence(kind: str, mode: str, q, k, v, state, state_indices, query_start
         raise TypeError(f"{name}: use_qk_l2norm must be a bool, got {type(use_qk_l2norm).__name__}")
     if result is None:
         result = _out_like(v, out)       # v is not a tensor: this raises as before the checks above
-    op(name)(*args)
+    _through_op(name, args)
     return result
 
 

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from ...core.backend import Backend, Launch
+from ...core.repeats import REPEATS
 from .config import ENV_INTERPRET, LaunchTable, interpreting
 
 #: The guard of a launch that needs no device switch (a reusable do-nothing context manager).
@@ -70,13 +71,14 @@ class TritonBackend(Backend):
         from . import launch
         with self.device_guard(x.device):
             return self._repeat_on(x.device, launch.conv_verify(self.table, x, conv_state, weight, bias, state_indices,
-                                                                query_start_loc, silu, null_slot, out))
+                                                                query_start_loc, silu, null_slot, out,
+                                                                REPEATS.accepting()))
 
     def conv_decode(self, x, conv_state, weight, bias, state_indices, silu, null_slot, out) -> Optional[Launch]:
         from . import launch
         with self.device_guard(x.device):
             return self._repeat_on(x.device, launch.conv_decode(self.table, x, conv_state, weight, bias, state_indices,
-                                                                silu, null_slot, out))
+                                                                silu, null_slot, out, REPEATS.accepting()))
 
     def recurrence(self, mode, q, k, v, state, state_indices, query_start_loc, gates, scale,
                    use_qk_l2norm, null_slot, out, records, snapshot_slots) -> Optional[Launch]:
@@ -84,7 +86,8 @@ class TritonBackend(Backend):
         with self.device_guard(q.device):
             return self._repeat_on(q.device, launch.recurrence(self.table, mode, q, k, v, state, state_indices,
                                                                query_start_loc, gates, scale, use_qk_l2norm,
-                                                               null_slot, out, records, snapshot_slots))
+                                                               null_slot, out, records, snapshot_slots,
+                                                               REPEATS.accepting()))
 
     def _repeat_on(self, device: torch.device, bound) -> Optional[Launch]:
         """A bound launch (``DirectLauncher``'s, or ``None``) that makes ``device`` current

@@ -83,10 +83,11 @@ class DirectLauncher:
             if compiled is not None:
                 try:
                     _run(compiled, grid, key[0], (*args, *(constexprs[n] for n in self.constexpr_names)))
-                    return self._bound(compiled, key[0], grid, args, constexprs, options, False) if bind else None
                 except (AttributeError, TypeError) as exc:     # nothing launched: Triton's path below
                     self._disable(exc)
                     key = None
+                else:
+                    return self._bound(compiled, key[0], grid, args, constexprs, options, False) if bind else None
         compiled = self.kernel[grid](*args, **constexprs, **options)
         if key is not None and compiled is not None and not hasattr(compiled, "result"):
             self.compiled[key] = compiled

@@ -63,7 +63,7 @@ def _conv_constexprs(table: LaunchTable, width: int, bias, silu) -> tuple[dict, 
 
 
 def conv_verify(table: LaunchTable, x, conv_state, weight, bias, state_indices, query_start_loc,
-                silu, null_slot, out) -> Optional[Bound]:
+                silu, null_slot, out, bind: bool = False) -> Optional[Bound]:
     dim, width = x.shape[1], weight.shape[1]
     B = state_indices.shape[0]
     if B == 0 or x.shape[0] == 0:
@@ -72,11 +72,11 @@ def conv_verify(table: LaunchTable, x, conv_state, weight, bias, state_indices, 
     grid = (triton.cdiv(dim, table.conv.block), _grid_axis("conv_verify: state_indices", B))
     args = (*tensors, state_indices, query_start_loc, *strides,
             dim, x.shape[0], conv_state.shape[0], null_slot, conv_state.shape[2] - (width - 1))
-    return _CONV_VERIFY(grid, args, *_conv_constexprs(table, width, bias, silu), bind=True)
+    return _CONV_VERIFY(grid, args, *_conv_constexprs(table, width, bias, silu), bind=bind)
 
 
 def conv_decode(table: LaunchTable, x, conv_state, weight, bias, state_indices, silu, null_slot,
-                out) -> Optional[Bound]:
+                out, bind: bool = False) -> Optional[Bound]:
     dim, width = x.shape[1], weight.shape[1]
     B = state_indices.shape[0]
     if B == 0:
@@ -84,7 +84,7 @@ def conv_decode(table: LaunchTable, x, conv_state, weight, bias, state_indices, 
     tensors, strides = _conv_args(x, conv_state, weight, bias, out)
     grid = (triton.cdiv(dim, table.conv.block), _grid_axis("conv_decode: state_indices", B))
     args = (*tensors, state_indices, *strides, dim, conv_state.shape[0], null_slot)
-    return _CONV_DECODE(grid, args, *_conv_constexprs(table, width, bias, silu), bind=True)
+    return _CONV_DECODE(grid, args, *_conv_constexprs(table, width, bias, silu), bind=bind)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -192,12 +192,13 @@ def _specialize_recurrence(table: LaunchTable, state_dtype: torch.dtype, H: int,
 
 def recurrence(table: LaunchTable, mode: str, q, k, v, state, state_indices, query_start_loc,
                gates: GateInputs, scale: float, use_qk_l2norm: bool, null_slot: int, out,
-               records, snapshot_slots) -> Optional[Bound]:
-    """Launch the recurrence; return the launch bound to the caller's tensors for eager repeats,
-    ``None`` where it launched on packed copies of misaligned tensors (or did not launch)."""
+               records, snapshot_slots, bind: bool = False) -> Optional[Bound]:
+    """Launch the recurrence; with ``bind``, return the launch bound to the caller's tensors for
+    eager repeats (``None`` where it launched on packed copies of misaligned tensors, or did not
+    launch)."""
     packed = _aligned_token_inputs(q, k, v, out)
     launch = _launch_recurrence(table, mode, *packed[:3], state, state_indices, query_start_loc, gates, scale,
-                                use_qk_l2norm, null_slot, packed[3], records, snapshot_slots, packed[4])
+                                use_qk_l2norm, null_slot, packed[3], records, snapshot_slots, packed[4], bind)
     if packed[3] is not out:
         out.copy_(packed[3])
     return launch if all(x is y for x, y in zip(packed, (q, k, v, out))) else None
@@ -205,7 +206,7 @@ def recurrence(table: LaunchTable, mode: str, q, k, v, state, state_indices, que
 
 def _launch_recurrence(table: LaunchTable, mode: str, q, k, v, state, state_indices, query_start_loc,
                        gates: GateInputs, scale: float, use_qk_l2norm: bool, null_slot: int, out,
-                       records, snapshot_slots, aligned: bool) -> Optional[Bound]:
+                       records, snapshot_slots, aligned: bool, bind: bool = False) -> Optional[Bound]:
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     B = state_indices.shape[0]
@@ -232,7 +233,7 @@ def _launch_recurrence(table: LaunchTable, mode: str, q, k, v, state, state_indi
             a.stride(0), a.stride(1), b.stride(0), out.stride(0), out.stride(1),
             state.stride(0), state.stride(1), snap.stride(0),
             T, state.shape[0], null_slot, max_window, scale, lower_bound, MODES[mode])
-    return _RECURRENCE(grid, args, constexprs, options, bind=True)
+    return _RECURRENCE(grid, args, constexprs, options, bind=bind)
 
 
 # ------------------------------------------------------------------------------------------------

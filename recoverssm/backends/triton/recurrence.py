@@ -32,8 +32,8 @@ updated. Verify, decode and snapshot execute the same instructions on the same v
 **GDN and KDA.** KDA (``VECTOR_DECAY``) differs only in its gates: the gate input ``a``, the
 bias and the decay are K-vectors. They are loaded and the gates computed on a flat ``[K_PAD]``
 vector spread over the program's lanes (each channel once; in ``k``'s layout every row lane
-would compute every channel again, and KDA's token loop was 2009 instructions per token and
-warp instead of 1249), then moved into ``k``'s layout (``tile_vector``), so ``S * decay``
+would compute every channel again: KDA's token loop is 1249 instructions per token and warp this
+way, 2009 that way), then moved into ``k``'s layout (``tile_vector``), so ``S * decay``
 scales column ``j`` by ``decay[j]``; its replay record holds that vector. Everything else, the
 step included, is the same code.
 
