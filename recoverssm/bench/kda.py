@@ -15,7 +15,7 @@ import recoverssm as rs
 from recoverssm.console import ProgressBar
 
 from .problems import Window
-from .rows import row
+from .rows import peer_row, row
 from .timing import CopyCeiling, copies_for, median_us
 
 K = V = 128
@@ -102,13 +102,9 @@ def bench_kda(ceiling: CopyCeiling, quick: bool, fla: bool, progress: ProgressBa
                          verify_us=round(t_verify, 2), commit_us=round(t_commit, 2), snapshot_us=round(t_snap, 2),
                          speedup_vs_snapshot=round(t_snap / t_step, 3)))
         if fla_fn is not None:
-            try:
-                t_fla = median_us([_fla_kda_call(w, fla_fn) for w in wins])
-                rows.append(row("kda_fla", case, t_fla, state, ceiling, N=N, T=T, HV=HV,
-                                verify_speedup=round(t_fla / t_verify, 3)))
-            except Exception as exc:  # noqa: BLE001 - report, keep benchmarking
-                rows.append(dict(kind="kda_fla", case=case, error=f"{type(exc).__name__}: {exc}"[:300]))
-                fla_fn = None
+            rows.append(peer_row("kda_fla", case, lambda ws=wins: [_fla_kda_call(w, fla_fn) for w in ws],
+                                 t_verify, state, ceiling, N=N, T=T, HV=HV))
+            fla_fn = None if "error" in rows[-1] else fla_fn
         progress.update(1, case)
         del wins, ctxs
         torch.cuda.empty_cache()

@@ -16,7 +16,7 @@ from recoverssm.console import format_table
 from ..core.repeats import REPEATS
 from . import kda, model
 from .problems import align_step, commit_context, per_group_indices, window
-from .rows import row
+from .rows import peer_row, row
 from .timing import CopyCeiling, copies_for, host_times, kernel_launches, median_us
 
 H, K, V = 16, 128, 128
@@ -108,13 +108,9 @@ def bench_verify(ceiling: CopyCeiling, quick: bool, fla: bool, progress: Progres
                                  verify_us=round(t_verify, 2), commit_us=round(t_commit, 2),
                                  snapshot_us=round(t_snap, 2), speedup_vs_snapshot=round(t_snap / t_step, 3)))
                 if fla_fn is not None:
-                    try:
-                        t_fla = median_us([_fla_call(w, fla_fn) for w in wins])
-                        rows.append(row("fla", case, t_fla, state, ceiling, N=N, T=T, HV=HV,
-                                         verify_speedup=round(t_fla / t_verify, 3)))
-                    except Exception as exc:  # noqa: BLE001 - report, keep benchmarking
-                        rows.append(dict(kind="fla", case=case, error=f"{type(exc).__name__}: {exc}"[:300]))
-                        fla_fn = None
+                    rows.append(peer_row("fla", case, lambda ws=wins: [_fla_call(w, fla_fn) for w in ws],
+                                         t_verify, state, ceiling, N=N, T=T, HV=HV))
+                    fla_fn = None if "error" in rows[-1] else fla_fn
                 progress.update(1, case)
                 del wins, ctxs
                 torch.cuda.empty_cache()
