@@ -17,7 +17,8 @@ of each layer:
   (``core.arguments.check_recurrence``), the backend's resolution (``core.ops.backend_for``) and
   the backend's ``recurrence`` (on a Triton backend: ``launch.recurrence``, the launcher). A call
   that repeats an earlier call's layout (on a GPU) is the API's own work, the call key
-  (``core.repeats.call_key``, its own row) and the bound launch instead of the dispatcher.
+  (``core.repeats.call_key``), the lookup and the bound launch (``Repeats.bound_launch``)
+  instead of the dispatcher; the key and the launch have rows of their own.
 * commit, the checked path (a step whose tensors are not those of the last call; here two sets
   of index tensors alternate): ``CommitContext.commit`` > ``torch.ops.recoverssm.commit`` >
   the op's body (``core.commit.run_commit_op``) > the step's checks
@@ -126,7 +127,7 @@ def verify_pieces(w, backend: str, out) -> list:
     import recoverssm as rs
     from recoverssm.core.arguments import check_recurrence
     from recoverssm.core.ops import IMPLEMENTATIONS, backend_for
-    from recoverssm.core.repeats import call_key
+    from recoverssm.core.repeats import REPEATS, call_key
 
     rec = w.records
     records = (rec.correction, rec.key, rec.decay)
@@ -147,15 +148,22 @@ def verify_pieces(w, backend: str, out) -> list:
     be = backend_for("gdn_verify", backend, w.state.device)
     run = functools.partial(be.recurrence, "verify", w.q, w.k, w.v, w.state, w.state_indices, w.query_start_loc,
                             args.gates, args.scale, True, -1, out, records, None)
-    rows = [("verify", "gdn_verify (API)", api),
-            ("verify", "  repeats.call_key (what a repeated call computes before its launch)",
-             functools.partial(call_key, "gdn_verify", op.args)),
-            ("verify", "torch.ops.recoverssm.gdn_verify (dispatcher)", op),
-            ("verify", "op body: IMPLEMENTATIONS['gdn_verify']", body),
-            ("verify", "  check_recurrence (argument checks)", checks),
-            ("verify", "  backend_for (backend resolution)", functools.partial(backend_for, "gdn_verify", backend,
-                                                                              w.state.device)),
-            ("verify", f"  {be.name}.recurrence (backend)", run)]
+    api()
+    api()                 # on a GPU the second call binds its launch; later calls repeat it
+    bound = REPEATS.bound_launch("gdn_verify", op.args)
+    key = functools.partial(call_key, "gdn_verify", op.args)
+    if bound is None:     # every call goes through the op (CPU tensors: value checks)
+        rows = [("verify", "gdn_verify (API)", api)]
+    else:
+        rows = [("verify", "gdn_verify (API), a repeated call", api),
+                ("verify", "  repeats: the bound launch alone (Triton's launcher)", bound)]
+    rows += [("verify", "  repeats.call_key (what a repeated call computes before its launch)", key),
+             ("verify", "torch.ops.recoverssm.gdn_verify (dispatcher)", op),
+             ("verify", "op body: IMPLEMENTATIONS['gdn_verify']", body),
+             ("verify", "  check_recurrence (argument checks)", checks),
+             ("verify", "  backend_for (backend resolution)", functools.partial(backend_for, "gdn_verify", backend,
+                                                                               w.state.device)),
+             ("verify", f"  {be.name}.recurrence (backend)", run)]
     table = getattr(be, "table", None)
     if table is not None:     # a Triton backend: its launcher, without the device guard
         from recoverssm.backends.triton import launch
@@ -288,6 +296,8 @@ def repeat_rows(w, backend: str, out) -> list:
 
 
 DIFFERENCES = [
+    ("verify", "a repeated call besides its key and its launch (API, lookup, version counters)",
+     "gdn_verify (API), a repeated call", ["  repeats.call_key*", "  repeats: the bound launch*"]),
     ("verify", "Python API", "gdn_verify (API)", ["torch.ops.recoverssm.gdn_verify (dispatcher)"]),
     ("verify", "dispatcher", "torch.ops.recoverssm.gdn_verify (dispatcher)",
      ["op body: IMPLEMENTATIONS['gdn_verify']"]),
@@ -360,14 +370,17 @@ def main():
     w, step, ctx, index_sets = build(args.device, backend)
     out = torch.empty_like(w.v)
     whole = whole_calls(w, step, ctx, index_sets, backend, out)
-    reference = ("reference", f"torch.empty(8, device={args.device!r})",
-                 functools.partial(torch.empty, 8, device=args.device))
+    small = torch.zeros(8, device=args.device)
+    reference = [("reference", f"torch.empty(8, device={args.device!r})",
+                  functools.partial(torch.empty, 8, device=args.device)),
+                 ("reference", "x.add_(1) on 8 floats (on a GPU: one PyTorch kernel launch)",
+                  functools.partial(small.add_, 1))]
     if args.repeats:
-        rows = repeat_rows(w, backend, out) + [reference]
+        rows = repeat_rows(w, backend, out) + reference
     elif args.whole:
-        rows = [("whole", name, call) for name, call in whole.items()] + [reference]
+        rows = [("whole", name, call) for name, call in whole.items()] + reference
     else:
-        rows = verify_pieces(w, backend, out) + commit_pieces(step, ctx, index_sets, backend) + [reference]
+        rows = verify_pieces(w, backend, out) + commit_pieces(step, ctx, index_sets, backend) + reference
     import recoverssm
     from recoverssm.bench.timing import host_times
     print(f"host time per call, median of {args.iters} (us): wall / thread CPU; device {args.device}, "

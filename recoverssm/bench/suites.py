@@ -162,11 +162,12 @@ def bench_graph(ceiling: CopyCeiling, progress: ProgressBar) -> list[dict]:
 def bench_host(progress: ProgressBar) -> list[dict]:
     """Host time of one commit call (3 groups x 6 layers, each group with its own index tensors,
     the same every call) and of one call of each per-layer op (``us``: wall, ``cpu_us``: the
-    thread's CPU time), the kernels each launches, and a reference: the host time of
-    ``torch.empty(8)`` on the GPU. The per-layer ops repeat one layout, as an engine's eager
-    steps do (a repeated launch, ``core/repeats.py``); the "new layout" row is a verify call
-    whose layout the library has not seen (the cache emptied before each call): the dispatcher,
-    the checks and the launcher."""
+    thread's CPU time), the kernels each launches, and two references: the host time of
+    ``torch.empty(8)`` on the GPU and of one small PyTorch kernel launch. The per-layer ops
+    repeat one layout, as an engine's eager steps do (a repeated launch, ``core/repeats.py``);
+    the "new layout" row is a verify call whose layout the library has not seen (the cache
+    emptied before each call): the dispatcher, the checks and the launcher; one verify row runs
+    inside ``torch.inference_mode()``."""
     T, R = 4, 8
     step = align_step(R, T)
     ctx, caches = commit_context(3, 6, R, T, H, 48, K, V, step.num_slots)
@@ -191,18 +192,26 @@ def bench_host(progress: ProgressBar) -> list[dict]:
         REPEATS.clear()
         verify()
 
+    def verify_in_inference_mode():      # how engines run their model (no version counters to bump)
+        with torch.inference_mode():
+            verify()
+
     rows = []
     for case, call in (("CommitContext.commit, 3 groups x 6 layers", commit), ("gdn_verify, 1 layer", verify),
                        ("gdn_decode, 1 layer", decode), ("conv_verify, 1 layer", conv),
-                       ("conv_decode, 1 layer", conv_dec), ("gdn_verify, 1 layer, new layout", verify_new_layout)):
+                       ("conv_decode, 1 layer", conv_dec), ("gdn_verify, 1 layer, new layout", verify_new_layout),
+                       ("gdn_verify, 1 layer, inside torch.inference_mode()", verify_in_inference_mode)):
         times = host_times(call)
         rows.append(dict(kind="host", case=case, us=round(times["wall_us"], 2), cpu_us=round(times["cpu_us"], 2),
                          launches=kernel_launches(call)[0]))
-    # The lent machines' CPUs differ in speed by up to ~2x between runs; a plain PyTorch call
-    # timed the same way in the same run puts the rows above in proportion (docs/BENCHMARKS.md).
-    times = host_times(functools.partial(torch.empty, 8, device="cuda"))
-    rows.append(dict(kind="host", case="reference: torch.empty(8, device='cuda')", us=round(times["wall_us"], 2),
-                     cpu_us=round(times["cpu_us"], 2)))
+    # The lent machines' CPUs differ in speed by up to ~2x between runs; plain PyTorch calls timed
+    # the same way in the same run put the rows above in proportion (docs/BENCHMARKS.md): an
+    # allocation, and one kernel launch through PyTorch's dispatcher.
+    small = torch.zeros(8, device="cuda")
+    for case, call in (("reference: torch.empty(8, device='cuda')", functools.partial(torch.empty, 8, device="cuda")),
+                       ("reference: a PyTorch kernel, x.add_(1) on 8 floats", functools.partial(small.add_, 1))):
+        times = host_times(call)
+        rows.append(dict(kind="host", case=case, us=round(times["wall_us"], 2), cpu_us=round(times["cpu_us"], 2)))
     progress.update(1, "host")
     return rows
 

@@ -60,7 +60,7 @@ def call_key(op: str, args: Sequence) -> Optional[tuple]:
         if cls is _Tensor or cls is _Parameter:
             if x.is_neg():
                 return None
-            key += (x.data_ptr(), x.dtype, x.shape, x.stride(), x.device)
+            key.append((x.data_ptr(), x.dtype, x.shape, x.stride(), x.device))
         elif cls is float:
             key.append(x.hex())         # the exact bits: -0.0 and 0.0 differ
         elif isinstance(x, _Tensor):
@@ -86,7 +86,8 @@ def written_arguments(op: str) -> tuple[int, ...]:
 
 class Repeats:
     """The bound launches of recent calls, by call key. Bounded: when full, the least recently
-    used half goes.
+    used half goes (each entry carries the lookup count of its last use: a hit writes one
+    number instead of moving the entry).
 
     A call's key is computed once: a lookup that misses leaves its key, for this thread, to the
     op of the same call, whose :meth:`remember` takes it when the arguments are the very same
@@ -102,7 +103,8 @@ class Repeats:
                  max_rest_windows: int = 16):
         self.size, self.window, self.min_hit_rate = size, window, min_hit_rate
         self.max_rest_windows = max_rest_windows
-        self._launches: dict[tuple, Callable[[], bool]] = {}     # key -> Launch.run, oldest first
+        self._launches: dict[tuple, list] = {}    # key -> [Launch.run, the clock at its last use]
+        self._clock = 0                              # hits and entries so far: the order of use
         self._local = threading.local()                          # .missed: (op, args, key)
         self._lookups = self._window_hits = self._resting = 0
         self._rest_windows = 1
@@ -145,9 +147,11 @@ class Repeats:
         if key is None:
             return
         if len(self._launches) >= self.size:        # the least recently used half goes
-            for old in list(self._launches)[:self.size // 2]:
+            by_use = sorted(self._launches.items(), key=lambda item: item[1][1])
+            for old, _ in by_use[:self.size // 2]:
                 del self._launches[old]
-        self._launches[key] = launch.run
+        self._clock += 1
+        self._launches[key] = [launch.run, self._clock]
 
     def run(self, op: str, args: Sequence, check: Optional[bool]) -> bool:
         """Launch this call through a bound launch when it repeats one; ``False`` when the call
@@ -166,34 +170,35 @@ class Repeats:
             return False
         try:
             key = call_key(op, args)
-            launch = self._launches.pop(key, None) if key is not None else None
+            entry = self._launches.get(key) if key is not None else None
         except (RuntimeError, TypeError):    # no address; an unhashable argument (the op names it)
             return False
-        if launch is not None:
-            self._launches[key] = launch      # most recently used last
-        # Inside inference mode the op writes anything and bumps no version counter; outside it,
-        # it refuses to write inference tensors and bumps the counters of what it writes.
-        inference = torch.is_inference_mode_enabled()
-        if launch is not None and (inference or self._writable(op, args)) and launch():
-            if not inference:
-                for i in written_arguments(op):
-                    increment_version(args[i])
-            self._count(True)
-            self.hits += 1
-            return True
+        if entry is not None:
+            self._clock += 1
+            entry[1] = self._clock
+            # Inside inference mode the op writes anything and bumps no version counter; outside
+            # it, it refuses to write inference tensors and bumps the counters of what it writes.
+            written = () if torch.is_inference_mode_enabled() else tuple([args[i] for i in written_arguments(op)])
+            if not any([t.is_inference() for t in written]) and entry[0]():
+                for t in written:      # one at a time: torch < 2.6 takes a single tensor
+                    increment_version(t)
+                self._count(True)
+                self.hits += 1
+                return True
         self._count(False)
         if key is not None:
             self._local.missed = (op, args, key)
         return False
 
+    def bound_launch(self, op: str, args: Sequence) -> Optional[Callable[[], bool]]:
+        """The launch a repeat of this call would run (benchmarks time it alone), or ``None``."""
+        key = call_key(op, args)
+        entry = self._launches.get(key) if key is not None else None
+        return entry[0] if entry is not None else None
+
     def accepting(self) -> bool:
         """Whether a launch handed over now would be kept (backends may skip binding otherwise)."""
         return not self._resting
-
-    @staticmethod
-    def _writable(op: str, args: Sequence) -> bool:
-        """Outside inference mode: False where the op would refuse a write (an inference tensor)."""
-        return not any(args[i].is_inference() for i in written_arguments(op))
 
     def _count(self, hit: bool) -> None:
         self._lookups += 1

@@ -27,6 +27,9 @@ class CudaBackend(TritonBackend):
             return torch.cuda.device(device)
         return STAY_ON_DEVICE
 
+    def one_device(self) -> bool:
+        return torch.cuda.device_count() == 1
+
 
 @hookimpl
 def recoverssm_backends():

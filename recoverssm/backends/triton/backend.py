@@ -91,9 +91,11 @@ class TritonBackend(Backend):
 
     def _repeat_on(self, device: torch.device, bound) -> Optional[Launch]:
         """A bound launch (``DirectLauncher``'s, or ``None``) that makes ``device`` current
-        first, as the first launch did."""
+        first, as the first launch did (with one device in the process, it always is)."""
         if bound is None:
             return None
+        if self.one_device():
+            return Launch(bound)
         guard = self.device_guard
 
         def repeat() -> bool:
@@ -117,3 +119,8 @@ class TritonBackend(Backend):
     def device_guard(self, device: torch.device):
         """Make ``device`` current while launching (Triton launches on the current device)."""
         return STAY_ON_DEVICE
+
+    def one_device(self) -> bool:
+        """Whether the process sees exactly one device of this backend's kind (then no launch
+        needs a device guard). False where unknown."""
+        return False
