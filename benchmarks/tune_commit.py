@@ -22,8 +22,8 @@ at T = 4). Per
 configuration and case: the median device time of ``CommitContext.commit`` (CUDA graph replays)
 and its ratio to a device copy of the same traffic (states read and written, records read).
 Prints a table and writes ``$OUT/tune_commit.json`` when ``OUT`` is set. ``--compile`` compiles
-each configuration for both state dtypes for an NVIDIA target without a GPU and prints registers
-and spilled bytes.
+each configuration for both state dtypes (and for fp32 states with KDA's vector-decay records)
+for an NVIDIA target without a GPU and prints registers and spilled bytes.
 """
 import argparse
 import dataclasses
@@ -119,19 +119,22 @@ def compile_configs(configs, base_kind: str, table, arch: int) -> None:
     rows = []
     for config in configs:
         row = {"config": common.label(config)}
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype, vector_decay in ((torch.float32, False), (torch.bfloat16, False), (torch.float32, True)):
             name = common.TRITON_NAMES[dtype]
+            column = f"{name}{' KDA' if vector_decay else ''}: registers, spilled bytes"
             spec = dataclasses.replace(table.commit_for(dtype) if base_kind == "table" else CommitSpec(), **config)
             try:
-                _, constexprs, options = commit_specialization(spec, table, name, "fp32", H, 48, K, V, 1, True)
+                _, constexprs, options = commit_specialization(spec, table, name, "fp32", H, 48, K, V, 1, True,
+                                                               vector_decay)
                 regs, spills = common.compile_for_gpu(grouped_commit_kernel, constexprs, common.COMMIT_TYPES,
                                                       options, arch)
-                row[f"{name}: registers, spilled bytes"] = f"{regs}, {spills}"
+                row[column] = f"{regs}, {spills}"
             except Exception as exc:  # noqa: BLE001 - report every configuration
-                row[f"{name}: registers, spilled bytes"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+                row[column] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
         rows.append(row)
         print(row, flush=True)
-    print(f"\ngrouped commit kernel, sm_{arch}, H=16, HV=48, K=V=128, base spec: {base_kind}")
+    print(f"\ngrouped commit kernel, sm_{arch}, H=16, HV=48, K=V=128 (KDA: vector-decay records), "
+          f"base spec: {base_kind}")
     common.print_table(rows)
 
 

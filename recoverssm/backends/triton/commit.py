@@ -235,10 +235,13 @@ def prefetch_to_l2(pointers, wanted, fallback):
 
 
 @triton.jit
-def prefetch_records(corr_row, key_row, n, tile_index, K: tl.constexpr, V: tl.constexpr, K_PAD: tl.constexpr,
-                     BV: tl.constexpr, V_TILES: tl.constexpr, TOKENS: tl.constexpr):
+def prefetch_records(corr_row, key_row, decay_row, n, tile_index, K: tl.constexpr, V: tl.constexpr,
+                     K_PAD: tl.constexpr, BV: tl.constexpr, V_TILES: tl.constexpr, TOKENS: tl.constexpr,
+                     VECTOR_DECAY: tl.constexpr):
     """Hint the first ``min(n, TOKENS)`` records of a state tile into L2 (its corrections' rows,
-    its keys): the replay then finds them there instead of waiting for memory token by token."""
+    its keys, and with ``VECTOR_DECAY`` its K-vectors of decays; a scalar decay shares its line
+    with the next tokens'): the replay then finds them there instead of waiting for memory token
+    by token."""
     C_LINES: tl.constexpr = (BV + 31) // 32  # 32 fp32 values per line
     i = tl.arange(0, TOKENS * C_LINES)
     t = i // C_LINES
@@ -249,6 +252,8 @@ def prefetch_records(corr_row, key_row, n, tile_index, K: tl.constexpr, V: tl.co
     t = i // K_LINES
     k = (i % K_LINES) * 32
     prefetch_to_l2(key_row + t * K + k, (t < n) & (k < K), key_row)
+    if VECTOR_DECAY:
+        prefetch_to_l2(decay_row + t * K + k, (t < n) & (k < K), decay_row)
 
 
 @triton.jit
@@ -339,10 +344,10 @@ def grouped_commit_kernel(
             if PREFETCH_RECORDS:
                 for j in tl.static_range(TILES_PER_PROGRAM):
                     if first_tile + j < TILES:
-                        corr_row, key_row, _ = record_rows(corr, key, decay, row, first_tile + j, max_window,
-                                                           H, HV, K, V, V_TILES, VECTOR_DECAY)
-                        prefetch_records(corr_row, key_row, n, first_tile + j, K, V, K_PAD, BV, V_TILES,
-                                         PREFETCH_RECORD_TOKENS)
+                        corr_row, key_row, decay_row = record_rows(corr, key, decay, row, first_tile + j,
+                                                                   max_window, H, HV, K, V, V_TILES, VECTOR_DECAY)
+                        prefetch_records(corr_row, key_row, decay_row, n, first_tile + j, K, V, K_PAD, BV,
+                                         V_TILES, PREFETCH_RECORD_TOKENS, VECTOR_DECAY)
             # Several tiles per program share the plan above (a chain of dependent loads). A
             # source tile is read before anything is stored (the boundary or final slot may be
             # the source slot itself; other tiles of it are other addresses).
