@@ -3,7 +3,7 @@
 # commit spec): summary sections, per-SASS-instruction execution counts and stall samples. Each case
 # profiles the second of two launches (ncu_verify.py, ncu_commit.py).
 # Usage (GPU machine with ncu, repository root):
-#   bash benchmarks/ncu_run.sh "ours" "ours lanes_k=16 rows=4" "gluon rs8x8" "fla" "commit bf16" "commit fp32 block_v=64 warps=2"
+#   bash benchmarks/ncu_run.sh "ours" "ours lanes_k=16 rows=4" "gluon rs8x8" "fla" "commit bf16" "commit fp32 block_v=64 warps=2" "commit kda"
 #   -> $OUT/ncu_<case>.txt (report), .log (the script's output), _sass.csv (source page); OUT defaults to /tmp/out
 set -u
 OUT=${OUT:-/tmp/out}
