@@ -63,13 +63,14 @@ def kda_commits(device: str, tiny: bool, fields: dict) -> None:
     from recoverssm.backends.cuda.launch_table import LAUNCH_TABLE
     from recoverssm.backends.triton.tuning import launch_table
     from recoverssm.bench.kda import kda_window
+    from recoverssm.bench.problems import spread_accepted
 
     N, T, HV = (2, 4, 2) if tiny else (64, 8, 32)
     spec = dataclasses.replace(LAUNCH_TABLE.commit_for(torch.float32), **fields)
     print("commit spec:", spec, flush=True)
     w = kda_window(N, T, HV, device=device)
     w.verify()
-    accepted = torch.tensor([1 + (r * 7) % T for r in range(N)], dtype=torch.int32, device=device)
+    accepted = spread_accepted(N, T, device)
     with launch_table("cuda", common.table_with(LAUNCH_TABLE, "commit", torch.float32, spec)):
         ctx = rs.CommitContext([[rs.LayerCache(w.state, w.records)]], max_batch=N, backend="cuda")
     for _ in range(2):

@@ -76,11 +76,11 @@ def spec_step_case(N, T, dims, device, copies):
     """The commit of the benchmark's speculative step: one layer, ``N`` rows, fp32 state, no align
     mode, row r accepting ``1 + 7r mod T`` tokens; ``copies`` input sets (real verify records)."""
     import recoverssm as rs
-    from recoverssm.bench.problems import window
+    from recoverssm.bench.problems import spread_accepted, window
 
     h, hv, k, v = dims
     wins = [window(N, T, h, hv, k, v, device=device, seed=i) for i in range(copies(N * hv * v * k * 4))]
-    accepted = torch.tensor([1 + (r * 7) % T for r in range(N)], dtype=torch.int32, device=device)
+    accepted = spread_accepted(N, T, device)
     for w in wins:
         w.verify()
     traffic = 2 * N * hv * v * k * 4 + int(accepted.sum()) * (hv * v + h * k + hv) * 4
@@ -94,10 +94,11 @@ def kda_step_case(N, T, HV, device, copies):
     of vector-decay records, fp32 state, K = V = 128, row r accepting ``1 + 7r mod T`` tokens."""
     import recoverssm as rs
     from recoverssm.bench.kda import K as KDA_K, V as KDA_V, commit_traffic, kda_window
+    from recoverssm.bench.problems import spread_accepted
 
     state = N * HV * KDA_V * KDA_K * 4
     wins = [kda_window(N, T, HV, seed=i, device=device) for i in range(copies(state))]
-    accepted = torch.tensor([1 + (r * 7) % T for r in range(N)], dtype=torch.int32, device=device)
+    accepted = spread_accepted(N, T, device)
     for w in wins:
         w.verify()
     return Case(f"kda step 1L x N{N} T{T} HV{HV} fp32", torch.float32,

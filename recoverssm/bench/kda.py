@@ -14,7 +14,7 @@ import torch
 import recoverssm as rs
 from recoverssm.console import ProgressBar
 
-from .problems import Window
+from .problems import Window, spread_accepted
 from .rows import peer_row, row
 from .timing import CopyCeiling, copies_for, median_us
 
@@ -89,7 +89,7 @@ def bench_kda(ceiling: CopyCeiling, quick: bool, fla: bool, progress: ProgressBa
             w.q, w.k, w.v, state=w.state, state_indices=w.state_indices, query_start_loc=w.query_start_loc,
             snapshot_slots=s, **w.gates()) for w, s in zip(wins, snaps)])
         rows.append(row("kda_snapshot", case, t_snap, state * (1 + T), ceiling, N=N, T=T, HV=HV))
-        accepted = torch.tensor([1 + (r * 7) % T for r in range(N)], dtype=torch.int32, device="cuda")
+        accepted = spread_accepted(N, T)
         ctxs = [rs.CommitContext([[rs.LayerCache(w.state, w.records)]], max_batch=N) for w in wins]
         t_commit = median_us([lambda w=w, c=c: c.commit(accepted, w.state_indices, w.query_start_loc)
                               for w, c in zip(wins, ctxs)])

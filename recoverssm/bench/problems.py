@@ -8,6 +8,12 @@ import torch
 import recoverssm as rs
 
 
+def spread_accepted(N: int, T: int, device="cuda") -> torch.Tensor:
+    """The benchmarks' accepted counts for ``N`` rows of ``T``-token windows: row ``r`` accepts
+    ``1 + 7r mod T`` tokens (int32 ``[N]``), every length from 1 to ``T`` in turn."""
+    return torch.tensor([1 + (r * 7) % T for r in range(N)], dtype=torch.int32, device=device)
+
+
 @dataclass
 class Window:
     """One layer's verify inputs for ``N`` rows of ``T`` tokens (bf16 activations, raw gates).

@@ -15,7 +15,7 @@ from recoverssm.console import format_table
 
 from ..core.repeats import REPEATS
 from . import kda, model
-from .problems import align_step, commit_context, per_group_indices, window
+from .problems import align_step, commit_context, per_group_indices, spread_accepted, window
 from .rows import peer_row, row
 from .timing import CopyCeiling, copies_for, host_times, kernel_launches, median_us
 
@@ -95,7 +95,7 @@ def bench_verify(ceiling: CopyCeiling, quick: bool, fla: bool, progress: Progres
                     for w, s in zip(wins, snap)]
                 t_snap = median_us(snap_calls)
                 rows.append(row("snapshot", case, t_snap, state * (1 + T), ceiling, N=N, T=T, HV=HV))
-                accepted = torch.tensor([1 + (r * 7) % T for r in range(N)], dtype=torch.int32, device="cuda")
+                accepted = spread_accepted(N, T)
                 ctxs = [rs.CommitContext([[rs.LayerCache(w.state, w.records)]], max_batch=N, backend="cuda")
                         for w in wins]
                 commit_calls = [lambda w=w, c=c: c.commit(accepted, w.state_indices, w.query_start_loc)
