@@ -2,6 +2,7 @@
 path launches, how many times, and with which arguments (the GPU tests run the real thing)."""
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -106,3 +107,34 @@ def test_a_changed_alignment_is_another_binary(kernel):
     launcher((4,), (FakeTensor(1024), FakeTensor(2048), 5), constexprs, {})
     launcher((4,), (FakeTensor(1028), FakeTensor(2048), 5), constexprs, {})    # not 16-byte aligned
     assert (len(kernel.triton_launches), len(kernel.direct_launches)) == (2, 0)
+
+
+def test_a_repeated_launch_takes_a_device_guard_only_where_several_devices_are_seen():
+    from recoverssm.backends.triton.backend import TritonBackend
+
+    guarded = []
+
+    class Backend(TritonBackend):
+        name = "guard-test"
+        device_types = ("cuda",)
+        devices = 2
+
+        def device_guard(self, device):
+            guarded.append(device)
+            return contextlib.nullcontext()
+
+        def one_device(self):
+            return self.devices == 1
+
+    backend, device = Backend(), torch.device("cuda", 1)
+    assert backend._repeat_on(device, None) is None          # nothing bound: nothing to repeat
+    launches = []
+
+    def bound():
+        launches.append(len(guarded))
+        return True
+
+    assert backend._repeat_on(device, bound)() and guarded == [device] and launches == [1]
+    backend.devices = 1
+    repeat = backend._repeat_on(device, bound)
+    assert repeat.run is bound and repeat() and guarded == [device] and launches == [1, 1]
