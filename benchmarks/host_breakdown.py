@@ -19,12 +19,12 @@ of each layer:
   that repeats an earlier call's layout (on a GPU) is the API's own work, the call key
   (``core.repeats.call_key``), the lookup and the bound launch (``Repeats.bound_launch``)
   instead of the dispatcher; the key and the launch have rows of their own.
-* commit, the checked path (a step whose tensors are not those of the last call; here two sets
-  of index tensors alternate): ``CommitContext.commit`` > ``torch.ops.recoverssm.commit`` >
-  the op's body (``core.commit.run_commit_op``) > the step's checks
-  (``core.arguments.check_step_shapes``, ``check_step_values``) and ``ctx.committer.commit``.
-* commit, the repeat path (the very tensors of the last call): ``CommitContext.commit`` >
-  ``ctx.committer.commit_again``.
+* commit, the checked path (the repeat cache switched off, ``rs.no_repeats()``; two sets of index
+  tensors alternate): ``CommitContext.commit`` > ``torch.ops.recoverssm.commit`` > the op's body
+  (``core.commit_op.run_commit_op``) > the step's checks (``core.arguments.check_step_shapes``,
+  ``check_step_values``) and ``ctx.committer.commit``.
+* commit, the repeat path (a step of a layout seen before, on a GPU): ``CommitContext.commit`` >
+  the bound launch alone.
 
 The case is the benchmark's: verify of 8 rows x 4 tokens, H=16, HV=48; a commit of 3 KV-cache
 groups x 6 layers, 8 requests in align mode, each group with its own index tensors. On the CPU
@@ -173,10 +173,21 @@ def verify_pieces(w, backend: str, out) -> list:
     return rows
 
 
+def without_repeats(call):
+    """``call`` with the repeat cache switched off (``rs.no_repeats()``): the op path every time."""
+    import recoverssm as rs
+
+    def off():
+        with rs.no_repeats():
+            call()
+    return off
+
+
 def commit_pieces(step, ctx, index_sets, backend: str) -> list:
     from recoverssm.core.arguments import check_step_shapes, check_step_values
     from recoverssm.core.backend import GroupStep
-    from recoverssm.core.commit import run_commit_op
+    from recoverssm.core.commit_op import repeat_args, run_commit_op
+    from recoverssm.core.repeats import REPEATS
     from recoverssm.core.validation import Checker
 
     layers = ctx.layers
@@ -226,7 +237,8 @@ def commit_pieces(step, ctx, index_sets, backend: str) -> list:
     api = [functools.partial(ctx.commit, step.num_accepted, query_start_loc=step.query_start_loc, **kw)
            for kw in index_sets]
     checked = [
-        ("commit, checked path", "CommitContext.commit (API)", alternating(*api)),
+        ("commit, checked path", "CommitContext.commit (API), repeats switched off",
+         alternating(*(without_repeats(call) for call in api))),
         ("commit, checked path", "torch.ops.recoverssm.commit (dispatcher)", alternating(op(a), op(b))),
         ("commit, checked path", "op body: run_commit_op", alternating(
             functools.partial(run_commit_op, **op_kwargs(a)), functools.partial(run_commit_op, **op_kwargs(b)))),
@@ -239,11 +251,15 @@ def commit_pieces(step, ctx, index_sets, backend: str) -> list:
     ]
     if ctx.device.type == "cpu":    # index values are checked on every call: no repeat path
         return checked
-    return checked + [
-        ("commit, repeat path", "CommitContext.commit (API)", api[0]),
-        ("commit, repeat path", "  ctx.committer.commit_again (committer)",
-         functools.partial(committer.commit_again, step.num_accepted, step.query_start_loc, steps[0])),
-    ]
+    api[0]()
+    api[0]()                        # the second call binds the step's launch; later calls repeat it
+    bound = REPEATS.bound_launch("commit", repeat_args(
+        ctx.id, step.num_accepted, step.query_start_loc, a["state_indices"], [None] * G, a["block_table"],
+        a["num_computed_tokens"], [a["block_size"]] * G, None))
+    rows = [("commit, repeat path", "CommitContext.commit (API)", api[0])]
+    if bound is not None:
+        rows.append(("commit, repeat path", "  the bound launch alone", bound))
+    return checked + rows
 
 
 def repeat_rows(w, backend: str, out) -> list:
@@ -276,23 +292,13 @@ def repeat_rows(w, backend: str, out) -> list:
     def churn():
         rs.gdn_verify(w.q, w.k, w.v, out=next(turn), **kw)
 
-    def switched_off(call):
-        def without_cache():
-            run, remember = cache.run, cache.remember
-            cache.run, cache.remember = (lambda *a, **k: False), (lambda *a, **k: None)
-            try:
-                call()
-            finally:
-                cache.run, cache.remember = run, remember
-        return without_cache
-
     return [("verify, repeats", "gdn_verify, a repeated layout", api),
             ("verify, repeats", "gdn_verify, a repeated layout, inside torch.inference_mode()", in_inference_mode),
             ("verify, repeats", "gdn_verify, a layout not seen before", new_layout),
-            ("verify, repeats", "gdn_verify, one layout, the repeat cache switched off", switched_off(api)),
+            ("verify, repeats", "gdn_verify, one layout, the repeat cache switched off", without_repeats(api)),
             ("verify, repeats", f"gdn_verify, {layouts} layouts in turn (cache of {cache.size}; it rests)", churn),
             ("verify, repeats", f"gdn_verify, {layouts} layouts in turn, the repeat cache switched off",
-             switched_off(churn))]
+             without_repeats(churn))]
 
 
 DIFFERENCES = [
@@ -303,12 +309,13 @@ DIFFERENCES = [
      ["op body: IMPLEMENTATIONS['gdn_verify']"]),
     ("verify", "rest of the op body", "op body: IMPLEMENTATIONS['gdn_verify']",
      ["  check_recurrence (argument checks)", "  backend_for (backend resolution)", "*.recurrence (backend)"]),
-    ("commit, checked path", "Python API", "CommitContext.commit (API)", ["torch.ops.recoverssm.commit (dispatcher)"]),
+    ("commit, checked path", "Python API", "CommitContext.commit (API), repeats switched off",
+     ["torch.ops.recoverssm.commit (dispatcher)"]),
     ("commit, checked path", "dispatcher", "torch.ops.recoverssm.commit (dispatcher)", ["op body: run_commit_op"]),
     ("commit, checked path", "rest of the op body (layer lookup, overlap checks)", "op body: run_commit_op",
      ["  check_step_shapes*", "  check_step_values*", "  ctx.committer.commit (committer)"]),
-    ("commit, repeat path", "Python API (the step's signature compared with the last)", "CommitContext.commit (API)",
-     ["  ctx.committer.commit_again (committer)"]),
+    ("commit, repeat path", "Python API (the step's key, the lookup, version counters)", "CommitContext.commit (API)",
+     ["  the bound launch alone"]),
 ]
 
 

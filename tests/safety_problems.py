@@ -211,6 +211,18 @@ def clamped_rows(qsl: Sequence[int], T: int, window: Optional[int]) -> list[tupl
     return rows
 
 
+def output_rows(qsl: Optional[Sequence[int]], T: int, window: Optional[int], live: Sequence[int],
+                B: int) -> list[tuple[int, int]]:
+    """Each row's ``(start, count)`` of output tokens it writes: a live row its clamped window
+    (:func:`clamped_rows`), a padding row its whole span (both ends clamped to ``[0, T]``, no
+    window). ``qsl`` ``None``: one token per row (decode)."""
+    if qsl is None:
+        return [(r, 1) for r in range(B)]
+    spans = clamped_rows(qsl, T, None)
+    windows = clamped_rows(qsl, T, window)
+    return [windows[r] if r in live else spans[r] for r in range(B)]
+
+
 def token_cover(rows: list[tuple[int, int]], T: int) -> list[list[int]]:
     """For each token, the rows whose clamped window holds it."""
     cover = [[] for _ in range(T)]

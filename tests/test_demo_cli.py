@@ -142,8 +142,8 @@ class _OneUlpOffDecode(CpuRefBackend):
 
     name = "cpu_ref_off_by_one_ulp"
 
-    def recurrence(self, mode, q, k, v, state, state_indices, query_start_loc, gates, *args):
-        super().recurrence(mode, q, k, v, state, state_indices, query_start_loc, gates, *args)
+    def recurrence(self, mode, q, k, v, state, state_indices, query_start_loc, gates, *args, **kwargs):
+        super().recurrence(mode, q, k, v, state, state_indices, query_start_loc, gates, *args, **kwargs)
         if mode == "decode":
             for slot in state_indices.tolist():
                 if slot >= 0:

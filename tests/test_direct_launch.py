@@ -89,16 +89,14 @@ def test_a_refused_direct_call_launches_once_through_triton(kernel):
     assert not launcher.enabled
 
 
-@pytest.mark.parametrize("hold", [False, True])
-def test_a_bound_launch_that_is_refused(kernel, hold):
+def test_a_bound_launch_that_is_refused_launches_nothing_and_says_so(kernel):
     launcher = DirectLauncher(kernel)
     args, constexprs = (FakeTensor(1024), FakeTensor(2048), 5), dict(BLOCK=128)
     launcher((4,), args, constexprs, {})
-    bound = launcher.bind((4,), args, constexprs, {}, hold_arguments=hold)
+    bound = launcher((4,), args, constexprs, {}, bind=True)
     kernel.refuse = True
-    # Holding its tensors it launches through Triton; holding none it launches nothing and says so.
-    assert bound() is True if hold else bound() is False
-    assert len(kernel.triton_launches) == (2 if hold else 1)
+    assert bound() is False          # it holds no tensor: the caller takes the op path instead
+    assert (len(kernel.triton_launches), len(kernel.direct_launches)) == (1, 1)
 
 
 def test_a_changed_alignment_is_another_binary(kernel):
@@ -127,14 +125,14 @@ def test_a_repeated_launch_takes_a_device_guard_only_where_several_devices_are_s
             return self.devices == 1
 
     backend, device = Backend(), torch.device("cuda", 1)
-    assert backend._repeat_on(device, None) is None          # nothing bound: nothing to repeat
+    assert backend.launch_on(device, None) is None           # nothing bound
     launches = []
 
     def bound():
         launches.append(len(guarded))
         return True
 
-    assert backend._repeat_on(device, bound)() and guarded == [device] and launches == [1]
+    assert backend.launch_on(device, bound)() and guarded == [device] and launches == [1]
     backend.devices = 1
-    repeat = backend._repeat_on(device, bound)
+    repeat = backend.launch_on(device, bound)
     assert repeat.run is bound and repeat() and guarded == [device] and launches == [1, 1]

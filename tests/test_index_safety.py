@@ -47,7 +47,7 @@ from safety_problems import (BF16, CHECK_FLAGS, F32, I32, NULL_SLOTS, OUT_SENTIN
                              assert_same_bits, clamped_rows, conflicts, conv_offenders, corrupted, draw_accepted,
                              draw_count, draw_dims, draw_pool_size, draw_qsl, draw_slots, draw_slots_like,
                              expect_outcome, i32, make_gates, plan_writes, recurrence_offenders, same_bits,
-                             step_offenders, token_cover)
+                             step_offenders, token_cover, output_rows)
 
 CUDA = pytest.param("cuda", marks=pytest.mark.interpreter)
 BACKENDS = ["cpu_ref", CUDA]
@@ -317,7 +317,7 @@ def check_recurrence_run(c: RecurrenceCase, run: RecurrenceRun, what: str) -> li
     rows, live = c.rows(), c.live()
     allowed, _ = c.written()
     run.pool.assert_only_slots_written(allowed, f"{what} state")
-    single = check_tokens(run.out, rows, live, c.T, f"{what} out")
+    single = check_tokens(run.out, output_rows(c.qsl, c.T, c.window, live, c.B), live, c.T, f"{what} out")
     if run.records is not None:
         lengths = {r: rows[r][1] for r in live}
         for buf, name in zip(run.records, ("correction", "key", "decay")):
@@ -492,7 +492,8 @@ def call_conv_api(c: ConvCase, run: ConvRun, name: str, check: Optional[bool] = 
 def check_conv_run(c: ConvCase, run: ConvRun, what: str) -> list:
     allowed, _ = c.written()
     run.pool.assert_only_slots_written(allowed, f"{what} conv_state")
-    return check_tokens(run.out, c.rows(), c.live(), c.T, f"{what} out")
+    live = c.live()
+    return check_tokens(run.out, output_rows(c.qsl, c.T, c.window, live, len(c.slots)), live, c.T, f"{what} out")
 
 
 def compare_conv(c: ConvCase, run: ConvRun, ref: ConvRun, single: list) -> None:

@@ -39,9 +39,9 @@ class SpyBackend(CpuRefBackend):
     def unavailable_reason(self):
         return "" if self._available else "spy says no"
 
-    def recurrence(self, mode, *args):
+    def recurrence(self, mode, *args, **kwargs):
         self.calls.append(mode)
-        super().recurrence(mode, *args)
+        return super().recurrence(mode, *args, **kwargs)
 
 
 class SpyPlugin:

@@ -8,44 +8,16 @@ kernels). These functions trace under ``torch.compile`` without graph breaks.
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 
-from .backend import Backend
-from .indices import INT32_MAX, INT32_MIN
-from .ops import op, resolve_name
+from .ops import BackendArg, op, resolve_name
 from .repeats import REPEATS
 from .types import ReplayRecords
+from .validation import check_int, check_real, check_types
 
-BackendArg = Union[str, Backend, None]
 CONV_ACTIVATIONS = {"silu": True, None: False, "none": False, "identity": False}
-
-
-def check_types(op_name: str, **tensors) -> None:
-    """``TypeError`` naming the first argument that is neither a tensor nor ``None``."""
-    for name, x in tensors.items():
-        if x is not None and not isinstance(x, torch.Tensor):
-            raise TypeError(f"{op_name}: {name} must be a torch.Tensor, got {type(x).__name__}")
-
-
-def check_int(op_name: str, name: str, value, *, optional: bool = False, minimum: int = INT32_MIN) -> None:
-    """``TypeError`` unless ``value`` is an int (or None where ``optional``); ``ValueError`` outside
-    ``[minimum, 2^31 - 1]`` (the kernels take these as 32-bit integers)."""
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{op_name}: {name} must be an int, got {type(value).__name__}")
-    if not minimum <= value <= INT32_MAX:
-        raise ValueError(f"{op_name}: {name} must be in [{minimum}, {INT32_MAX}], got {value}")
-
-
-def check_real(op_name: str, name: str, value, *, optional: bool = True) -> None:
-    """``TypeError`` unless ``value`` is a real number (or None where ``optional``); not a bool."""
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{op_name}: {name} must be a float, got {type(value).__name__}")
 
 
 def _silu(op_name: str, activation) -> bool:
@@ -58,15 +30,6 @@ def _out_like(x: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
     """``out``, or a new tensor of ``x``'s shape and dtype. Every token of every row is written
     (padding rows with zeros); tokens past ``query_start_loc[-1]`` are left as they are."""
     return torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
-
-
-def _through_op(op_name: str, args: tuple) -> None:
-    """``torch.ops.recoverssm.<op_name>(*args)``; the key a missed repeat lookup left for it is
-    dropped afterwards, whatever happens."""
-    try:
-        op(op_name)(*args)
-    finally:
-        REPEATS.forget_miss()
 
 
 def _as_float(value):
@@ -111,7 +74,7 @@ def conv_verify(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
         check_types(name, x=x, conv_state=conv_state, weight=weight, bias=bias, state_indices=state_indices,
                     query_start_loc=query_start_loc, out=out)
         check_int(name, "null_slot", null_slot)
-        _through_op(name, args)
+        op(name)(*args)
     return result
 
 
@@ -140,7 +103,7 @@ def conv_decode(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
         check_types(name, x=x, conv_state=conv_state, weight=weight, bias=bias, state_indices=state_indices,
                     out=out)
         check_int(name, "null_slot", null_slot)
-        _through_op(name, args)
+        op(name)(*args)
     return result
 
 
@@ -208,7 +171,7 @@ def _recurrence(kind: str, mode: str, q, k, v, state, state_indices, query_start
         raise TypeError(f"{name}: use_qk_l2norm must be a bool, got {type(use_qk_l2norm).__name__}")
     if result is None:
         result = _out_like(v, out)       # v is not a tensor: this raises as before the checks above
-    _through_op(name, args)
+    op(name)(*args)
     return result
 
 

@@ -14,7 +14,7 @@ import torch
 from .backend import GateInputs
 from .indices import INT32_MAX, is_request, is_slot
 from .plan import plan_rows
-from .validation import FLOAT_DTYPES, STATE_DTYPES, Checker, PassedLayouts, layout
+from .validation import FLOAT_DTYPES, STATE_DTYPES, Checker, PassedLayouts
 
 F32 = (torch.float32,)
 
@@ -67,8 +67,8 @@ def check_conv(op: str, x, conv_state, weight, bias, state_indices, query_start_
                out, check: Optional[bool], static: bool = False) -> None:
     """``conv_verify`` (``query_start_loc`` given) and ``conv_decode`` (``None``: one token per row)."""
     c = Checker(op, x.device if isinstance(x, torch.Tensor) else torch.device("cpu"), static)
-    key = None if static else (op, null_slot, layout((x, conv_state, weight, bias, state_indices, query_start_loc,
-                                                      out)))
+    key = None if static else _PASSED.key(op, (null_slot, x, conv_state, weight, bias, state_indices,
+                                               query_start_loc, out))
     if key is None or key not in _PASSED:
         _conv_layout(c, x, conv_state, weight, bias, state_indices, query_start_loc, null_slot, out)
         if key is not None:
@@ -166,9 +166,9 @@ def check_recurrence(op: str, kind: str, mode: str, q, k, v, state, state_indice
     """Every check of ``{gdn,kda}_{verify,decode,spec_decode_snapshot}``. ``records``:
     ``(correction, key, decay)`` in verify, else ``None``; ``snapshot_slots`` in snapshot mode."""
     c = Checker(op, q.device if isinstance(q, torch.Tensor) else torch.device("cpu"), static)
-    tensors = (q, k, v, state, state_indices, query_start_loc, a, b, A_log, dt_bias, g, beta, out, snapshot_slots,
-               *(records or ()))
-    key = None if static else (op, scale, use_qk_l2norm, null_slot, lower_bound, layout(tensors))
+    key = None if static else _PASSED.key(op, (scale, use_qk_l2norm, null_slot, lower_bound, q, k, v, state,
+                                               state_indices, query_start_loc, a, b, A_log, dt_bias, g, beta, out,
+                                               snapshot_slots, *(records or ())))
     if key is not None and key in _PASSED:
         args = RecurrenceArgs(_gate_inputs(kind, a, b, A_log, dt_bias, g, beta, lower_bound),
                               float(q.shape[2] ** -0.5 if scale is None else scale))

@@ -1,10 +1,11 @@
 """The backend interface: what a backend declares and the kernel-facing functions it implements.
 
 The kernel-facing functions take tensors and scalars only, mutate only the tensors they name and
-allocate nothing. The conv and recurrence functions may return a :class:`Launch` (a repeat of
-their launch for the same layout) or ``None``; the others return nothing. The ``torch.library``
-ops (``core/ops.py``) validate their arguments (``core/arguments.py``), pick the backend
-(``core/registry.py``) and call these.
+allocate nothing. The conv and recurrence functions, and a committer's ``commit``, take ``bind``:
+when it is true they may return a :class:`Launch` (their launch, bound to the addresses of the
+tensors they were given, to repeat for a call of the same layout) or ``None`` where they cannot;
+when it is false they return ``None``. The ``torch.library`` ops (``core/ops.py``) validate their
+arguments (``core/arguments.py``), pick the backend (``core/registry.py``) and call these.
 """
 from __future__ import annotations
 
@@ -17,12 +18,14 @@ from .pointers import PointerEncoding
 
 
 class Launch:
-    """What a kernel-facing function may return: its launch, bound to the addresses of the
-    tensors it was given, to be called again (with no argument) for an eager call whose tensors
-    have exactly that layout: the same addresses, dtypes, devices, shapes and strides, new values
-    (``core/repeats.py``). ``run`` must hold no tensor, launch on the current stream with the
-    device it was bound on made current, and return False without launching when it cannot run
-    (the call then goes through the op). Anything else a backend returns is ignored."""
+    """What a kernel-facing function returns when asked to ``bind``: its launch, bound to the
+    addresses of the tensors it was given, to be called again (with no argument) for an eager
+    call whose tensors have exactly that layout: the same addresses, dtypes, devices, shapes and
+    strides, new values (``core/repeats.py``). ``run`` must hold no tensor of the caller's (it
+    may hold the backend's own, such as a device table it points at), launch on the current
+    stream with the device it was bound on made current, and either launch everything the call
+    launched or nothing: it returns False without launching when it cannot run (the call then
+    goes through the op). Anything else a backend returns is ignored."""
 
     __slots__ = ("run",)
 
@@ -85,14 +88,14 @@ class Backend(ABC):
     def conv_verify(self, x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
                     bias: Optional[torch.Tensor], state_indices: torch.Tensor,
                     query_start_loc: torch.Tensor, silu: bool, null_slot: int,
-                    out: torch.Tensor) -> Optional[Launch]:
+                    out: torch.Tensor, *, bind: bool = False) -> Optional[Launch]:
         """Causal depthwise conv of each row's window; writes ``out`` and the window columns of
         ``conv_state`` (``[history, history + len)``), never the history columns."""
 
     @abstractmethod
     def conv_decode(self, x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
                     bias: Optional[torch.Tensor], state_indices: torch.Tensor, silu: bool,
-                    null_slot: int, out: torch.Tensor) -> Optional[Launch]:
+                    null_slot: int, out: torch.Tensor, *, bind: bool = False) -> Optional[Launch]:
         """One token per row: writes ``out`` and shifts the history columns ``[0, history)`` of
         the row's slot by one token, the new token last."""
 
@@ -102,7 +105,7 @@ class Backend(ABC):
                    query_start_loc: torch.Tensor, gates: "GateInputs", scale: float,
                    use_qk_l2norm: bool, null_slot: int, out: torch.Tensor,
                    records: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-                   snapshot_slots: Optional[torch.Tensor]) -> Optional[Launch]:
+                   snapshot_slots: Optional[torch.Tensor], *, bind: bool = False) -> Optional[Launch]:
         """The GDN or KDA recurrence (``gates.kind``) over each row's window, in one of three modes:
 
         ``"verify"``: read the checkpoint, write ``out`` and ``records``; never write ``state``.
@@ -193,12 +196,6 @@ class Committer(ABC):
 
     @abstractmethod
     def commit(self, num_accepted: torch.Tensor, query_start_loc: torch.Tensor,
-               groups: Sequence[GroupStep]) -> None:
-        """Replay the accepted tokens of every row into every layer's state, and compact conv states."""
-
-    def commit_again(self, num_accepted: torch.Tensor, query_start_loc: torch.Tensor,
-                     groups: Sequence[GroupStep]) -> None:
-        """:meth:`commit` with the very objects of the previous call, whose tensors the caller has
-        found unchanged in address, dtype, device, shape and strides (their values may differ).
-        A backend may reuse whatever it derived from them last time."""
-        self.commit(num_accepted, query_start_loc, groups)
+               groups: Sequence[GroupStep], *, bind: bool = False) -> Optional[Launch]:
+        """Replay the accepted tokens of every row into every layer's state, and compact conv
+        states. ``bind``: as the kernel-facing functions (the module's docstring)."""

@@ -15,22 +15,31 @@ backends work through the ops, and a compiled graph picks its backend when it ru
 Argument checks run inside the implementation, on real tensors, also in a compiled graph: shape,
 dtype, device, stride and overlap checks always; checks of index *values* on CPU tensors always
 and on device tensors when ``check`` is true (or ``RECOVERSSM_CHECK=1``), never during CUDA
-graph capture (``core/validation.py``). An eager call that repeats an earlier call's layout may
-skip all of this and repeat that call's launch (``core/repeats.py``). The fake implementations
+graph capture (``core/validation.py``). The rules for what a call writes (inference tensors,
+version counters: ``core/writes.py``) are applied here, around every implementation. An op that
+may be repeated (``REPEATABLE``) asks its backend for its launch bound to the call's addresses
+when the repeat cache would keep it, and hands it over (``core/repeats.py``); an eager call that
+repeats the layout then skips all of this. The fake implementations
 (``torch.library.register_fake``, what ``torch.compile`` traces, and what a call mixing meta
 tensors with others reaches) run the same checks but those that need data (``Checker.static``),
 and describe the outputs.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
+from . import registry as _registry
 from .arguments import check_conv, check_plan, check_recurrence
 from .backend import Backend
-from .registry import BackendError, registry
-from .repeats import REPEATABLE, REPEATS
+from .commit_op import repeat_args, run_commit_op
+from .registry import registry
+from .repeats import REPEATS
+from .writes import (count_writes, refuse_inference_writes, writes_inference_tensor, written_arguments,
+                     written_tensors)
+
+BackendArg = Union[str, Backend, None]
 
 NAMESPACE = "recoverssm"
 LIB = torch.library.Library(NAMESPACE, "DEF")
@@ -70,56 +79,61 @@ for _kind in ("gdn", "kda"):
 CAPABILITY = {"conv_verify": "conv_verify", "conv_decode": "conv_decode", "plan_commit": "plan_commit",
               "commit": "commit", **{f"{k}_{m}": k for k in ("gdn", "kda")
                                      for m in ("verify", "decode", "spec_decode_snapshot")}}
+#: The ops whose launches an eager call may repeat (``core/repeats.py``), and what each is keyed
+#: on there: its own arguments in schema order (``None``), or for the commit its context and step.
+REPEATABLE = {"conv_verify": None, "conv_decode": None,
+              "commit": lambda a: repeat_args(a["context"], a["num_accepted"], a["query_start_loc"],
+                                              a["state_indices"], a["request_indices"], a["block_tables"],
+                                              a["num_computed_tokens"], a["block_sizes"], a["check"]),
+              **{f"{k}_{m}": None for k in ("gdn", "kda") for m in ("verify", "decode", "spec_decode_snapshot")}}
 
 
-def backend_for(op: str, name: str, device: torch.device):
+def backend_for(op: str, name: str, device: torch.device) -> Backend:
     """The backend that runs ``op`` on ``device``: ``name`` if not empty, else the registry's
     choice (``RECOVERSSM_BACKEND``, else by device type); it must declare the op's capability."""
-    backend = registry().resolve(name or None, device)[0]
-    if CAPABILITY[op] not in backend.capabilities:
-        raise BackendError(f"{op}: backend {backend.name!r} does not provide {CAPABILITY[op]!r} "
-                           f"(it declares {', '.join(sorted(backend.capabilities)) or 'nothing'})")
-    return backend
+    return _registry.backend_for(op, CAPABILITY[op], name, device)
 
 
 # ------------------------------------------------------------------------------------------------
-# implementations
+# implementations (keyword arguments named as in the schema; ``bind``: return the launch bound to
+# the call's addresses, for repeats)
 # ------------------------------------------------------------------------------------------------
 def _conv_verify(x, conv_state, weight, bias, state_indices, query_start_loc, silu, null_slot, out,
-                 backend, check, static=False):
+                 backend, check, static=False, bind=False):
     check_conv("conv_verify", x, conv_state, weight, bias, state_indices, query_start_loc, null_slot, out, check,
                static)
     if static:
-        return
+        return None
     be = backend_for("conv_verify", backend, conv_state.device)
-    return be.conv_verify(x, conv_state, weight, bias, state_indices, query_start_loc, silu, null_slot, out)
+    return be.conv_verify(x, conv_state, weight, bias, state_indices, query_start_loc, silu, null_slot, out,
+                          bind=bind)
 
 
-def _conv_decode(x, conv_state, weight, bias, state_indices, silu, null_slot, out, backend, check, static=False):
+def _conv_decode(x, conv_state, weight, bias, state_indices, silu, null_slot, out, backend, check, static=False,
+                 bind=False):
     check_conv("conv_decode", x, conv_state, weight, bias, state_indices, None, null_slot, out, check, static)
     if static:
-        return
+        return None
     be = backend_for("conv_decode", backend, conv_state.device)
-    return be.conv_decode(x, conv_state, weight, bias, state_indices, silu, null_slot, out)
+    return be.conv_decode(x, conv_state, weight, bias, state_indices, silu, null_slot, out, bind=bind)
 
 
 def _recurrence(kind: str, mode: str):
-    """The implementation of ``{kind}_{verify,decode,spec_decode_snapshot}`` (keyword arguments
-    named as in the schema)."""
+    """The implementation of ``{kind}_{verify,decode,spec_decode_snapshot}``."""
     op = f"{kind}_{'spec_decode_snapshot' if mode == 'snapshot' else mode}"
 
     def impl(q, k, v, state, state_indices, query_start_loc, a, b, A_log, dt_bias, g, beta, scale,
              use_qk_l2norm, null_slot, out, backend, check, correction=None, key=None, decay=None,
-             snapshot_slots=None, lower_bound=None, static=False):
+             snapshot_slots=None, lower_bound=None, static=False, bind=False):
         records = (correction, key, decay) if mode == "verify" else None
         args = check_recurrence(op, kind, mode, q, k, v, state, state_indices, query_start_loc, a, b, A_log,
                                 dt_bias, g, beta, scale, use_qk_l2norm, null_slot, out, records, snapshot_slots,
                                 lower_bound, check, static)
         if static:
-            return
+            return None
         be = backend_for(op, backend, state.device)
         return be.recurrence(mode, q, k, v, state, state_indices, query_start_loc, args.gates, args.scale,
-                      use_qk_l2norm, null_slot, out, records, snapshot_slots)
+                             use_qk_l2norm, null_slot, out, records, snapshot_slots, bind=bind)
 
     return op, impl
 
@@ -143,33 +157,49 @@ def _plan_commit(num_accepted, state_indices, query_start_loc, request_indices, 
     return out
 
 
-def _commit(**kwargs):
-    from .commit import run_commit_op     # commit.py builds on the ops; imported when first used
-    run_commit_op(**kwargs)
-
-
 IMPLEMENTATIONS = {"conv_verify": _conv_verify, "conv_decode": _conv_decode, "plan_commit": _plan_commit,
-                   "commit": _commit}
+                   "commit": run_commit_op}
 for _kind in ("gdn", "kda"):
     for _mode in ("verify", "decode", "snapshot"):
         _name, _impl = _recurrence(_kind, _mode)
         IMPLEMENTATIONS[_name] = _impl
 
+#: How errors name an op (the commit is called through ``CommitContext.commit``).
+_SHOWN_AS = {"commit": "CommitContext.commit"}
+
 
 def _by_name(name: str, fn, schema: str, static: bool):
-    """``fn`` called with the schema's arguments by name (the dispatcher passes them in order);
-    ``static``: the fake implementation (checks that need no data, no backend). The launch a
-    backend hands back from a repeatable op is kept for eager repeats of the call (``repeats.py``)."""
+    """``fn`` called with the schema's arguments by name (the dispatcher passes them in order,
+    or some by keyword when the op is called so); ``static``: the fake implementation (checks
+    that need no data, no backend). Around the real one: the rules for what a call writes
+    (``writes.py``), and for a repeatable op the launch handed to the repeat cache."""
     names = tuple(a.name for a in torch._C.parse_schema("f" + schema).arguments)
+    repeatable = name in REPEATABLE
+    key_of = REPEATABLE.get(name)
+    shown = _SHOWN_AS.get(name, name)
 
-    if static or name not in REPEATABLE:
+    if static:
         def kernel(*args, **kwargs):
-            return fn(**dict(zip(names, args)), **kwargs, static=static)
+            return fn(**dict(zip(names, args)), **kwargs, static=True)
     else:
         def kernel(*args, **kwargs):
-            launch = fn(**dict(zip(names, args)), **kwargs)
-            if not kwargs:     # the key is built from positional arguments, as the API passes them
-                REPEATS.remember(name, args, launch)
+            if kwargs:      # in schema order, as the public functions pass them
+                named = dict(zip(names, args), **kwargs)
+                args = tuple(named[n] for n in names)
+            written = written_tensors(name, args)
+            if writes_inference_tensor(written):
+                refuse_inference_writes(shown, written_arguments(name, args))
+            named = dict(zip(names, args))
+            if not repeatable:
+                result = fn(**named)
+                count_writes(written)
+                return result
+            bind = REPEATS.wants_launch()
+            launch = fn(**named, bind=bind)
+            count_writes(written)
+            if bind and launch is not None:
+                REPEATS.remember(name, key_of(named) if key_of else args, launch)
+            return None
 
     kernel.__name__ = fn.__name__
     return kernel

@@ -99,9 +99,18 @@ class Registry:
             self._resolved.clear()
             self._generation += 1
 
+    def invalidate(self) -> None:
+        """Say that something a launch depends on changed besides the plugins (a launch table,
+        ``backends/triton/tuning.py``): the generation in :meth:`state` moves, so no launch
+        remembered before is repeated (``core/repeats.py``)."""
+        with self._lock:
+            self._resolved.clear()
+            self._generation += 1
+
     def state(self) -> tuple:
-        """What a resolution depends on besides its arguments: the plugins registered (a count of
-        registrations and removals) and the environment variables the backends list."""
+        """What a resolution or a launch depends on besides its arguments: a generation (it
+        moves when a plugin is registered or removed, and on :meth:`invalidate`) and the
+        environment variables the backends list."""
         if self._backends is None:
             self.backends()
         return self._generation, _read_environment(self._environment)
@@ -200,6 +209,16 @@ _REGISTRY = Registry()
 
 def registry() -> Registry:
     return _REGISTRY
+
+
+def backend_for(op: str, capability: str, name: str, device: torch.device) -> Backend:
+    """The backend that runs ``op`` on ``device``: ``name`` if not empty, else the registry's
+    choice (``RECOVERSSM_BACKEND``, else by device type); it must declare ``capability``."""
+    backend = _REGISTRY.resolve(name or None, device)[0]
+    if capability not in backend.capabilities:
+        raise BackendError(f"{op}: backend {backend.name!r} does not provide {capability!r} "
+                           f"(it declares {', '.join(sorted(backend.capabilities)) or 'nothing'})")
+    return backend
 
 
 def available_backends() -> list[str]:

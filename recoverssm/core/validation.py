@@ -18,6 +18,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from .indices import INT32_MAX, INT32_MIN, is_slot
+from .layout import layout_key
 
 ENV_CHECK = "RECOVERSSM_CHECK"
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -38,21 +39,21 @@ def wants_value_checks(check: Optional[bool], device: torch.device) -> bool:
     return bool(check) and not _capturing(device)
 
 
-def layout(tensors: Sequence[Optional[torch.Tensor]]) -> tuple:
-    """Everything about these tensors that the checks without values read: per tensor its
-    address, dtype, shape, strides and device (``None`` stays ``None``)."""
-    return tuple([None if t is None else (t.data_ptr(), t.dtype, t.shape, t.stride(), t.device) for t in tensors])
-
-
 class PassedLayouts:
-    """Remembers the argument layouts (``layout`` plus the scalars) that passed an op's checks
-    without values, so that a call repeating one (the same addresses, dtypes, shapes, strides,
-    devices: an engine's persistent buffers, or activations the caching allocator puts at the
-    same addresses every step) skips them: they would pass again. Bounded; never holds a tensor."""
+    """Remembers the argument layouts (``core/layout.py``: addresses, dtypes, shapes, strides,
+    devices, and the scalars) that passed an op's checks without values, so that a call
+    repeating one (an engine's persistent buffers, or activations the caching allocator puts at
+    the same addresses every step) skips them: they would pass again. Bounded; never holds a
+    tensor. :meth:`key` is the key of a call (``None``: not to be remembered)."""
 
     def __init__(self, size: int = 512):
         self.size = size
         self._keys: set = set()
+
+    @staticmethod
+    def key(op: str, values: Sequence) -> tuple:
+        """The key of a call of ``op`` whose checks depend on ``values`` (tensors and scalars)."""
+        return op, layout_key(values, plain_only=False)
 
     def __contains__(self, key) -> bool:
         return key in self._keys
@@ -61,6 +62,36 @@ class PassedLayouts:
         if len(self._keys) >= self.size:
             self._keys.clear()
         self._keys.add(key)
+
+
+# ------------------------------------------------------------------------------------------------
+# argument types, before an op is called (a wrong type is then a TypeError naming the argument
+# rather than a schema error)
+# ------------------------------------------------------------------------------------------------
+def check_types(op_name: str, **tensors) -> None:
+    """``TypeError`` naming the first argument that is neither a tensor nor ``None``."""
+    for name, x in tensors.items():
+        if x is not None and not isinstance(x, torch.Tensor):
+            raise TypeError(f"{op_name}: {name} must be a torch.Tensor, got {type(x).__name__}")
+
+
+def check_int(op_name: str, name: str, value, *, optional: bool = False, minimum: int = INT32_MIN) -> None:
+    """``TypeError`` unless ``value`` is an int (or None where ``optional``); ``ValueError`` outside
+    ``[minimum, 2^31 - 1]`` (the kernels take these as 32-bit integers)."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{op_name}: {name} must be an int, got {type(value).__name__}")
+    if not minimum <= value <= INT32_MAX:
+        raise ValueError(f"{op_name}: {name} must be in [{minimum}, {INT32_MAX}], got {value}")
+
+
+def check_real(op_name: str, name: str, value, *, optional: bool = True) -> None:
+    """``TypeError`` unless ``value`` is a real number (or None where ``optional``); not a bool."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{op_name}: {name} must be a float, got {type(value).__name__}")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

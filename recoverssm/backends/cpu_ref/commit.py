@@ -10,6 +10,7 @@ import torch
 
 from ...core.backend import CommitLayer, Committer, GroupStep
 from ...core.plan import plan_rows
+from ...core.writes import versions_kept
 from .conv import conv_compact
 from .recurrence import replay_step
 
@@ -63,7 +64,11 @@ class RefCommitter(Committer):
         self.null_slot = null_slot
 
     def commit(self, num_accepted: torch.Tensor, query_start_loc: torch.Tensor,
-               groups: Sequence[GroupStep]) -> None:
+               groups: Sequence[GroupStep], *, bind: bool = False) -> None:
+        with versions_kept([t for layer in self.layers for t in (layer.state, layer.conv_state)]):
+            self._commit(num_accepted, query_start_loc, groups)
+
+    def _commit(self, num_accepted: torch.Tensor, query_start_loc: torch.Tensor, groups: Sequence[GroupStep]) -> None:
         qsl = query_start_loc.tolist()
         accepted = num_accepted.tolist()
         for layer in self.layers:

@@ -35,12 +35,12 @@ def conv_verify(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
     """``x``, ``out``: ``[T_total, conv_dim]``; ``weight``: ``[conv_dim, width]``; ``bias``: ``[conv_dim]``."""
     history = weight.shape[1] - 1
     num_slots, _, cols = conv_state.shape
-    starts, lengths = row_bounds(query_start_loc, x.shape[0], cols - history)
-    for slot, start, length in zip(state_indices.tolist(), starts, lengths):
-        if length == 0:
+    starts, spans, lengths = row_bounds(query_start_loc, x.shape[0], cols - history)
+    for slot, start, span, length in zip(state_indices.tolist(), starts, spans, lengths):
+        if not is_slot(slot, null_slot, num_slots):     # padding: zero output over the span
+            out[start:start + span] = 0
             continue
-        if not is_slot(slot, null_slot, num_slots):
-            out[start:start + length] = 0
+        if length == 0:
             continue
         window = x[start:start + length]
         seq = torch.cat([conv_state[slot, :, :history].float(), window.float().t()], dim=1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from ...core.backend import Backend
 from ...core.hookspecs import hookimpl
 from ...core.pointers import PointerEncoding
+from ...core.writes import versions_kept
 from . import commit, conv, recurrence
 
 
@@ -18,18 +19,23 @@ class CpuRefBackend(Backend):
     def kernels(self) -> dict[str, str]:
         return {"all ops": "the PyTorch reference (recoverssm/backends/cpu_ref)"}
 
+    # The reference computes on the host: it hands over no launch to repeat (``bind`` is ignored).
+    # It writes through PyTorch operations, which move version counters; the op moves each once.
     def conv_verify(self, x, conv_state, weight, bias, state_indices, query_start_loc, silu,
-                    null_slot, out):
-        conv.conv_verify(x, conv_state, weight, bias, state_indices, query_start_loc, silu,
-                         null_slot, out)
+                    null_slot, out, *, bind=False):
+        with versions_kept((conv_state, out)):
+            conv.conv_verify(x, conv_state, weight, bias, state_indices, query_start_loc, silu,
+                             null_slot, out)
 
-    def conv_decode(self, x, conv_state, weight, bias, state_indices, silu, null_slot, out):
-        conv.conv_decode(x, conv_state, weight, bias, state_indices, silu, null_slot, out)
+    def conv_decode(self, x, conv_state, weight, bias, state_indices, silu, null_slot, out, *, bind=False):
+        with versions_kept((conv_state, out)):
+            conv.conv_decode(x, conv_state, weight, bias, state_indices, silu, null_slot, out)
 
     def recurrence(self, mode, q, k, v, state, state_indices, query_start_loc, gates, scale,
-                   use_qk_l2norm, null_slot, out, records, snapshot_slots):
-        recurrence.recurrence(mode, q, k, v, state, state_indices, query_start_loc, gates, scale,
-                              use_qk_l2norm, null_slot, out, records, snapshot_slots)
+                   use_qk_l2norm, null_slot, out, records, snapshot_slots, *, bind=False):
+        with versions_kept((state, out, *(records or ()))):
+            recurrence.recurrence(mode, q, k, v, state, state_indices, query_start_loc, gates, scale,
+                                  use_qk_l2norm, null_slot, out, records, snapshot_slots)
 
     def plan_commit(self, num_accepted, state_indices, query_start_loc, request_indices,
                     block_table, num_computed_tokens, block_size, null_slot, num_slots, out):

@@ -50,15 +50,15 @@ def replay_step(S: torch.Tensor, correction: torch.Tensor, k_hat: torch.Tensor,
 
 
 def row_bounds(query_start_loc: torch.Tensor, num_tokens: int,
-               max_len: Optional[int] = None) -> tuple[list[int], list[int]]:
-    """Each row's first token and length, whatever the values: both ends clamped to
-    ``[0, num_tokens]``, the length to ``[0, max_len]`` (the kernels' rule; validation has
-    already refused such values wherever value checks run)."""
+               max_len: Optional[int] = None) -> tuple[list[int], list[int], list[int]]:
+    """Each row's first token, span and length, whatever the values: both ends clamped to
+    ``[0, num_tokens]`` (the span: the tokens between them, at least 0), the length to
+    ``[0, max_len]`` (the kernels' rule; validation has already refused such values wherever
+    value checks run). A live row works on ``length`` tokens; a padding row zeroes its span."""
     qsl = [min(max(x, 0), num_tokens) for x in query_start_loc.tolist()]
-    lengths = [max(qsl[i + 1] - qsl[i], 0) for i in range(len(qsl) - 1)]
-    if max_len is not None:
-        lengths = [min(n, max_len) for n in lengths]
-    return qsl[:-1], lengths
+    spans = [max(qsl[i + 1] - qsl[i], 0) for i in range(len(qsl) - 1)]
+    lengths = spans if max_len is None else [min(n, max_len) for n in spans]
+    return qsl[:-1], spans, lengths
 
 
 def _token_inputs(q, k, gates: GateInputs, scale: float, use_qk_l2norm: bool):
@@ -90,13 +90,13 @@ def recurrence(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sta
     H, HV = q.shape[1], v.shape[1]
     group = HV // H
     max_len = records[0].shape[2] if mode == "verify" else snapshot_slots.shape[1] if mode == "snapshot" else None
-    starts, lengths = row_bounds(query_start_loc, q.shape[0], max_len)
+    starts, spans, lengths = row_bounds(query_start_loc, q.shape[0], max_len)
     num_slots = state.shape[0]
     slots = state_indices.tolist()
     rows = [r for r in range(len(slots)) if is_slot(slots[r], null_slot, num_slots) and lengths[r] > 0]
     for r in range(len(slots)):
-        if not is_slot(slots[r], null_slot, num_slots) and lengths[r] > 0:  # padding: zero output, nothing else
-            out[starts[r]:starts[r] + lengths[r]] = 0
+        if not is_slot(slots[r], null_slot, num_slots):    # padding: zero output, nothing else
+            out[starts[r]:starts[r] + spans[r]] = 0
     if not rows:
         return
     q_hat, k_hat, decay, beta = _token_inputs(q, k, gates, scale, use_qk_l2norm)

@@ -7,7 +7,7 @@ Why each entry (measurements in docs/BENCHMARKS.md; ``benchmarks/tune_verify.py`
   spread each token's fixed work; 3 shuffle steps per reduction.
 * small grids (< 792 programs): 4 rows per thread, 168 registers. Twice the programs still fit
   one wave (132 SMs x 12 / 2); N = 1 about 12% faster. 2 or 1 rows per thread are slower again
-  (N = 1, T = 8: 8.0 -> 9.0 -> 9.8 us): each program repeats the token's fixed work.
+  (N = 1, T = 8: 8.0 -> 9.0 -> 9.8 us): each program does the token's fixed work again.
 * PTX widening of bf16 inputs, over fp32 states only: 5% fewer instructions per token (verify
   N=64, T=4, HV=48: 91.1 -> 88.6 us); over bf16 states the tile spilled.
 * L2 hints in the recurrence: verify N=64, T=4: 88.5 -> 84.8 us (HV=48), 64.8 -> 60.7 us (HV=32).

@@ -15,7 +15,6 @@ from typing import Optional
 import torch
 
 from ...core.backend import Backend, Launch
-from ...core.repeats import REPEATS
 from .config import ENV_INTERPRET, LaunchTable, interpreting
 
 #: The guard of a launch that needs no device switch (a reusable do-nothing context manager).
@@ -67,41 +66,41 @@ class TritonBackend(Backend):
                 "plan_commit, commit": f"triton/commit.py ({where})"}
 
     def conv_verify(self, x, conv_state, weight, bias, state_indices, query_start_loc, silu,
-                    null_slot, out) -> Optional[Launch]:
+                    null_slot, out, *, bind=False) -> Optional[Launch]:
         from . import launch
         with self.device_guard(x.device):
-            return self._repeat_on(x.device, launch.conv_verify(self.table, x, conv_state, weight, bias, state_indices,
-                                                                query_start_loc, silu, null_slot, out,
-                                                                REPEATS.accepting()))
+            return self.launch_on(x.device, launch.conv_verify(self.table, x, conv_state, weight, bias, state_indices,
+                                                               query_start_loc, silu, null_slot, out, bind))
 
-    def conv_decode(self, x, conv_state, weight, bias, state_indices, silu, null_slot, out) -> Optional[Launch]:
+    def conv_decode(self, x, conv_state, weight, bias, state_indices, silu, null_slot, out, *,
+                    bind=False) -> Optional[Launch]:
         from . import launch
         with self.device_guard(x.device):
-            return self._repeat_on(x.device, launch.conv_decode(self.table, x, conv_state, weight, bias, state_indices,
-                                                                silu, null_slot, out, REPEATS.accepting()))
+            return self.launch_on(x.device, launch.conv_decode(self.table, x, conv_state, weight, bias, state_indices,
+                                                               silu, null_slot, out, bind))
 
     def recurrence(self, mode, q, k, v, state, state_indices, query_start_loc, gates, scale,
-                   use_qk_l2norm, null_slot, out, records, snapshot_slots) -> Optional[Launch]:
+                   use_qk_l2norm, null_slot, out, records, snapshot_slots, *, bind=False) -> Optional[Launch]:
         from . import launch
         with self.device_guard(q.device):
-            return self._repeat_on(q.device, launch.recurrence(self.table, mode, q, k, v, state, state_indices,
-                                                               query_start_loc, gates, scale, use_qk_l2norm,
-                                                               null_slot, out, records, snapshot_slots,
-                                                               REPEATS.accepting()))
+            return self.launch_on(q.device, launch.recurrence(self.table, mode, q, k, v, state, state_indices,
+                                                              query_start_loc, gates, scale, use_qk_l2norm,
+                                                              null_slot, out, records, snapshot_slots, bind))
 
-    def _repeat_on(self, device: torch.device, bound) -> Optional[Launch]:
-        """A bound launch (``DirectLauncher``'s, or ``None``) that makes ``device`` current
-        first, as the first launch did (with one device in the process, it always is)."""
+    def launch_on(self, device: torch.device, bound) -> Optional[Launch]:
+        """A bound launch (``DirectLauncher``'s, or ``None``) as a :class:`Launch` that makes
+        ``device`` current first, as the first launch did (with one device in the process, it
+        always is)."""
         if bound is None:
             return None
         if self.one_device():
             return Launch(bound)
         guard = self.device_guard
 
-        def repeat() -> bool:
+        def on_device() -> bool:
             with guard(device):
                 return bound()
-        return Launch(repeat)
+        return Launch(on_device)
 
     def plan_commit(self, num_accepted, state_indices, query_start_loc, request_indices,
                     block_table, num_computed_tokens, block_size, null_slot, num_slots, out):
@@ -113,7 +112,7 @@ class TritonBackend(Backend):
     def make_committer(self, layers, num_groups, max_batch, null_slot):
         from . import launch
         with self.device_guard(layers[0].state.device):
-            return launch.TritonCommitter(self.table, self.pointer_encoding, self.device_guard, layers,
+            return launch.TritonCommitter(self.table, self.pointer_encoding, self.device_guard, self.launch_on, layers,
                                           num_groups, max_batch, null_slot)
 
     def device_guard(self, device: torch.device):

@@ -51,7 +51,7 @@ def conv_verify_kernel(
     row = tl.program_id(1)
     offs_d = i_d * BD + tl.arange(0, BD)
     mask_d = offs_d < dim
-    start, length = row_window(qsl_ptr, row, num_tokens, max_window)
+    start, span, length = row_window(qsl_ptr, row, num_tokens, max_window)
     slot = tl.load(state_indices_ptr + row)
     if is_slot(slot, null_slot, num_slots):
         conv_row = conv_ptr + slot.to(tl.int64) * stride_c_slot + offs_d * stride_c_dim
@@ -77,7 +77,7 @@ def conv_verify_kernel(
                      to_storage(x_p, conv_ptr.dtype.element_ty, INTERPRETED), mask=mask_d)
     else:
         zeros = tl.zeros([BD], dtype=out_ptr.dtype.element_ty)
-        for p in range(0, length):
+        for p in range(0, span):
             tok = (start + p).to(tl.int64)
             tl.store(out_ptr + tok * stride_o_t + offs_d, zeros, mask=mask_d)
 

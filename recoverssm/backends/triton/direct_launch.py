@@ -16,11 +16,12 @@ this path. It is used for CUDA tensors only (under Triton's interpreter tensors 
 anything unexpected (a Triton whose compiled-kernel interface differs) turns it off for good and
 the normal path runs.
 
-:meth:`DirectLauncher.bind` goes one step further for a launch that repeats with the very same
-tensors (the commit of an engine that passes its persistent index buffers every step), or with
-tensors of the very same layout (an eager op call that repeats an earlier one,
-``core/repeats.py``): the key and the tensors' addresses are computed once, and each repeat is
-the launcher call alone.
+:meth:`DirectLauncher.__call__` with ``bind`` goes one step further for a launch that is made
+again with tensors of the very same layout (an eager op call whose arguments have an earlier
+call's addresses, dtypes, shapes and strides, when the op asks its backend to ``bind``): the key
+and the tensors' addresses are computed once, and each later launch is the launcher call alone.
+Under Triton's interpreter (CPU tensors) a bound launch rebuilds the tensors over the same memory
+and runs the interpreter, so the bound paths are tested in CI too.
 """
 from __future__ import annotations
 
@@ -29,9 +30,11 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from ...core.layout import aligned, tensor_at, tensor_layout
+
 log = logging.getLogger(__name__)
 INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
-#: A launch bound to its arguments (:meth:`DirectLauncher.bind`): True when it launched.
+#: A launch bound to its arguments (``DirectLauncher.__call__`` with ``bind``): True when it launched.
 Bound = Callable[[], bool]
 
 try:        # what Triton's own launch path uses: the raw handle of a device's current stream
@@ -72,7 +75,8 @@ class DirectLauncher:
                  bind: bool = False) -> Optional[Bound]:
         """``args``: the runtime arguments in order (tensors for ``*_ptr``); ``constexprs`` by name.
         ``bind``: also return this launch bound to the tensors' addresses, holding none of them
-        (:meth:`bind` with ``hold_arguments=False``), or ``None`` where the direct path is off."""
+        (:meth:`_bound`; from the second call of a specialization on, once it is compiled), or
+        ``None`` where the direct path is off."""
         grid = tuple(grid) + (1,) * (3 - len(grid))
         key = None
         if self.enabled and args[self.pointers[0]].device.type == "cuda":
@@ -87,35 +91,21 @@ class DirectLauncher:
                     self._disable(exc)
                     key = None
                 else:
-                    return self._bound(compiled, key[0], grid, args, constexprs, options, False) if bind else None
+                    return self._bound(compiled, key[0], grid, args, constexprs) if bind else None
         compiled = self.kernel[grid](*args, **constexprs, **options)
         if key is not None and compiled is not None and not hasattr(compiled, "result"):
             self.compiled[key] = compiled
+        if bind and (args[self.pointers[0]] if self.enabled else args[0]).device.type == "cpu":
+            return self._interpreted(grid, args, constexprs, options)
         return None
 
-    def bind(self, grid: Sequence[int], args: Sequence, constexprs: dict, options: dict, *,
-             hold_arguments: bool = True) -> Optional[Bound]:
-        """A launch of these very arguments, to repeat with no per-call work but reading the
-        current stream: pointers become plain addresses (so Triton's launcher neither looks up
-        ``data_ptr`` nor asks the driver about each pointer) and the binary is the one
-        :meth:`__call__` compiled for them. ``None`` until that binary exists, or on the plain path.
-        Calling it returns True when it launched.
-
-        ``hold_arguments``: the launch keeps the tensors alive, and should the direct path turn
-        out unavailable it launches through :meth:`__call__` with them. Without: it holds no
-        tensor and returns False instead; the caller must then only call it while tensors of
-        exactly this layout (addresses, dtypes, devices, shapes, strides) are alive. Either way
-        the caller calls it with the tensors' device current, and values may change between calls."""
-        if not (self.enabled and args[self.pointers[0]].device.type == "cuda" and len(args) == self.num_runtime):
-            return None
-        key = self._key(args, constexprs, options)
-        compiled = self.compiled.get(key)
-        if compiled is None:
-            return None
-        return self._bound(compiled, key[0], grid, args, constexprs, options, hold_arguments)
-
-    def _bound(self, compiled, device_index: int, grid: Sequence[int], args: Sequence, constexprs: dict,
-               options: dict, hold_arguments: bool) -> Bound:
+    def _bound(self, compiled, device_index: int, grid: Sequence[int], args: Sequence, constexprs: dict) -> Bound:
+        """This launch again with no per-call work but reading the current stream: pointers
+        become plain addresses (so Triton's launcher neither looks up ``data_ptr`` nor asks the
+        driver about each pointer) and the binary is the one compiled for them. It holds no
+        tensor: the caller calls it only while tensors of exactly this layout (addresses, dtypes,
+        devices, shapes, strides) are alive, with their device current; values may change. It
+        returns False, launching nothing, should the direct path turn out unavailable."""
         runner = compiled.run
         head = (*grid, *(1,) * (3 - len(grid)))
         values = list(args)
@@ -123,7 +113,6 @@ class DirectLauncher:
             values[i] = values[i].data_ptr()
         tail = (compiled.function, compiled.packed_metadata, None, None, None, *values,
                 *(constexprs[n] for n in self.constexpr_names))
-        held = tuple(args) if hold_arguments else None
 
         def launch() -> bool:    # _run's call, everything but the stream fixed
             if self.enabled:
@@ -132,9 +121,19 @@ class DirectLauncher:
                     return True
                 except (AttributeError, TypeError) as exc:   # addresses refused: the plain path from now on
                     self._disable(exc)
-            if held is None:
-                return False
-            self(grid, held, constexprs, options)
+            return False
+        return launch
+
+    def _interpreted(self, grid: Sequence[int], args: Sequence, constexprs: dict, options: dict) -> Bound:
+        """The same for CPU tensors under Triton's interpreter: the launch keeps each tensor's
+        layout and rebuilds a tensor over that memory when called (``core.layout.tensor_at``), so
+        CI runs bound launches through the same code as the GPU. It holds no tensor either."""
+        layouts = [tensor_layout(a) if isinstance(a, torch.Tensor) else None for a in args]
+        scalars = list(args)
+
+        def launch() -> bool:
+            values = [tensor_at(layout) if layout is not None else value for layout, value in zip(layouts, scalars)]
+            self.kernel[grid](*values, **constexprs, **options)
             return True
         return launch
 
@@ -146,7 +145,7 @@ class DirectLauncher:
         scalars = [args[i] for i in self.non_pointers]
         return (args[self.pointers[0]].device.index,
                 tuple([args[i].dtype for i in self.pointers]),
-                tuple([args[i].data_ptr() % 16 == 0 for i in self.aligned_pointers]),
+                tuple([aligned(args[i]) for i in self.aligned_pointers]),
                 tuple([(args[i] == 1, args[i] % 16 == 0) for i in self.specialized_ints]),
                 tuple([type(a) for a in scalars]),
                 min(scalars, default=0) < INT32_MIN or max(scalars, default=0) > INT32_MAX,

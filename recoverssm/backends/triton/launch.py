@@ -26,8 +26,8 @@ from .recurrence import MODE_DECODE, MODE_SNAPSHOT, MODE_VERIFY, recurrence_kern
 
 MODES = {"verify": MODE_VERIFY.value, "decode": MODE_DECODE.value, "snapshot": MODE_SNAPSHOT.value}
 # The launches of every step (conv and the recurrence per layer, one commit for all layers) skip
-# Triton's per-call specialization work once compiled, and can be bound to their tensors for
-# eager repeats (see direct_launch.py, core/repeats.py).
+# Triton's per-call specialization work once compiled, and can be bound to their tensors' addresses
+# when the op asks (``bind``; see direct_launch.py).
 _RECURRENCE = DirectLauncher(recurrence_kernel)
 _GROUPED_COMMIT = DirectLauncher(grouped_commit_kernel)
 _CONV_VERIFY = DirectLauncher(conv_verify_kernel)
@@ -193,8 +193,8 @@ def _specialize_recurrence(table: LaunchTable, state_dtype: torch.dtype, H: int,
 def recurrence(table: LaunchTable, mode: str, q, k, v, state, state_indices, query_start_loc,
                gates: GateInputs, scale: float, use_qk_l2norm: bool, null_slot: int, out,
                records, snapshot_slots, bind: bool = False) -> Optional[Bound]:
-    """Launch the recurrence; with ``bind``, return the launch bound to the caller's tensors for
-    eager repeats (``None`` where it launched on packed copies of misaligned tensors, or did not
+    """Launch the recurrence; with ``bind``, return the launch bound to the caller's tensors'
+    addresses (``None`` where it launched on packed copies of misaligned tensors, or did not
     launch)."""
     packed = _aligned_token_inputs(q, k, v, out)
     launch = _launch_recurrence(table, mode, *packed[:3], state, state_indices, query_start_loc, gates, scale,
@@ -322,13 +322,15 @@ class TritonCommitter(Committer):
 
     The per-layer tables (pointers and strides of state, records and conv state) are built and
     uploaded once, here. The per-group table points at the step's index tensors; it is cached by
-    those tensors' addresses, so an engine that reuses persistent index buffers (as it must under
-    CUDA graphs) uploads it once and then launches nothing but the commit kernel.
+    those tensors' layouts, so an engine that reuses persistent index buffers (as it must under
+    CUDA graphs) uploads it once and then launches nothing but the commit kernel. A bound step
+    (``bind``) holds the group table it points at.
     """
 
-    def __init__(self, table: LaunchTable, encoding: PointerEncoding, device_guard,
+    def __init__(self, table: LaunchTable, encoding: PointerEncoding, device_guard, launch_on,
                  layers: Sequence[CommitLayer], num_groups: int, max_batch: int, null_slot: int):
         self.device_guard = device_guard
+        self.launch_on = launch_on
         self.encoding = encoding
         self.null_slot = null_slot
         self.num_groups = num_groups
@@ -344,8 +346,6 @@ class TritonCommitter(Committer):
         self._group_key = None
         self._group_table = None
         self._group_host = None
-        self._group_steps = None
-        self._repeat = None
 
     def upload(self, rows, fields: int, pointer_columns) -> tuple[torch.Tensor, torch.Tensor]:
         """Encode a table on the host (pointer columns with the backend's encoding) and copy it
@@ -369,8 +369,6 @@ class TritonCommitter(Committer):
         return host.to(self.device, non_blocking=True), host
 
     def _group_table_for(self, groups: Sequence[GroupStep]) -> torch.Tensor:
-        if groups is self._group_steps:      # CommitContext passes back the steps it checked last
-            return self._group_table
         rows = []
         for g in groups:
             bt = g.block_table
@@ -387,31 +385,19 @@ class TritonCommitter(Committer):
             self._group_table, self._group_host = self.upload(rows, commit_kernels.GROUP_FIELDS.value,
                                                               commit_kernels.GROUP_POINTER_COLUMNS)
             self._group_key = key
-        self._group_steps = groups
         return self._group_table
 
-    def commit(self, num_accepted, query_start_loc, groups: Sequence[GroupStep]) -> None:
+    def commit(self, num_accepted, query_start_loc, groups: Sequence[GroupStep], *, bind: bool = False):
         B = groups[0].state_indices.shape[0]
         if B == 0:
-            return
+            return None
         _grid_axis("CommitContext.commit: state_indices", B)
         with self.device_guard(self.device):
-            for args in self._launch_args(num_accepted, query_start_loc, groups, B):
-                _GROUPED_COMMIT(*args)
-
-    def commit_again(self, num_accepted, query_start_loc, groups: Sequence[GroupStep]) -> None:
-        # The step's tensors are those of the last call, unchanged but for their values: the
-        # launches bound to them last time are still right (only the stream is read again).
-        repeat = self._repeat
-        if repeat is not None and repeat[0] is groups and repeat[1] is num_accepted and repeat[2] is query_start_loc:
-            with self.device_guard(self.device):
-                for launch in repeat[3]:
-                    launch()
-            return
-        self.commit(num_accepted, query_start_loc, groups)
-        B = groups[0].state_indices.shape[0]
-        bound = [_GROUPED_COMMIT.bind(*args) for args in self._launch_args(num_accepted, query_start_loc, groups, B)]
-        self._repeat = (groups, num_accepted, query_start_loc, bound) if B and all(bound) else None
+            launches = self._launch_args(num_accepted, query_start_loc, groups, B)
+            bound = [_GROUPED_COMMIT(*args, bind=bind) for args in launches]
+        if not bind or not all(bound):
+            return None
+        return self.launch_on(self.device, _BoundStep(bound, (self._group_table, self._group_host)))
 
     def _launch_args(self, num_accepted, query_start_loc, groups: Sequence[GroupStep], B: int) -> list[tuple]:
         """``(grid, runtime arguments, constexprs, options)`` of each launch of one step."""
@@ -420,6 +406,24 @@ class TritonCommitter(Committer):
                  (launch.layer_table, group_table, num_accepted, query_start_loc, num_accepted.shape[0],
                   self.null_slot),
                  launch.constexprs, launch.options) for launch in self.launches]
+
+
+class _BoundStep:
+    """A commit step's launches bound to its tensors' addresses. It holds the group table they
+    point at (and its pinned host copy), whatever table later steps upload."""
+
+    __slots__ = ("launches", "tables")
+
+    def __init__(self, launches: list, tables: tuple):
+        self.launches, self.tables = launches, tables
+
+    def __call__(self) -> bool:
+        if not self.launches[0]():       # nothing launched: the caller takes the op path
+            return False
+        for launch in self.launches[1:]:     # the same launcher as the first: it launches these too
+            if not launch():
+                raise RuntimeError("CommitContext.commit: a bound commit step launched only part of its launches")
+        return True
 
 
 def commit_specialization(spec: CommitSpec, table: LaunchTable, state_dtype: str, conv_dtype: str, H: int, HV: int,

@@ -58,9 +58,11 @@ def is_slot(value, null_slot, num_slots):
 
 @triton.jit
 def row_window(qsl_ptr, row, num_tokens, max_len):
-    """Row ``row``'s first token and length, whatever ``query_start_loc`` holds: both ends clamped
-    to ``[0, num_tokens]``, the length to ``[0, max_len]`` (so no token index leaves the inputs
-    and no difference overflows)."""
+    """Row ``row``'s first token, its span and its length, whatever ``query_start_loc`` holds:
+    both ends clamped to ``[0, num_tokens]`` (the span: the tokens between them, at least 0), the
+    length to ``[0, max_len]`` (so no token index leaves the inputs and no difference
+    overflows). A live row works on ``length`` tokens; a padding row zeroes its whole span."""
     start = tl.minimum(tl.maximum(tl.load(qsl_ptr + row), 0), num_tokens)
     end = tl.minimum(tl.maximum(tl.load(qsl_ptr + row + 1), 0), num_tokens)
-    return start, tl.minimum(tl.maximum(end - start, 0), max_len)
+    span = tl.maximum(end - start, 0)
+    return start, span, tl.minimum(span, max_len)

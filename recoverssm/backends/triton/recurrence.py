@@ -38,8 +38,8 @@ scales column ``j`` by ``decay[j]``; its replay record holds that vector. Everyt
 step included, is the same code.
 
 **Indices.** Whatever the values: a slot that is not a slot (``numerics.is_slot``) makes a
-padding row (its outputs zero, nothing else read or written), a snapshot entry that is not a
-slot is skipped, and ``query_start_loc`` is clamped (``numerics.row_window``).
+padding row (its outputs zero over its whole span, nothing else read or written), a snapshot
+entry that is not a slot is skipped, and ``query_start_loc`` is clamped (``numerics.row_window``).
 """
 import triton
 import triton.language as tl
@@ -307,7 +307,7 @@ def recurrence_kernel(
     STATE_EVICTION: tl.constexpr = EVICT_FIRST if L2_HINTS else EVICT_NORMAL
     QK_EVICTION: tl.constexpr = EVICT_LAST if L2_HINTS else EVICT_NORMAL
 
-    start, length = row_window(qsl_ptr, row, num_tokens, max_window)
+    start, span, length = row_window(qsl_ptr, row, num_tokens, max_window)
     slot = tl.load(state_indices_ptr + row)
     live = is_slot(slot, null_slot, num_slots)
 
@@ -389,6 +389,6 @@ def recurrence_kernel(
                              EXACT)
     else:
         zeros = tl.zeros([ROW_LANES, ROWS], dtype=out_ptr.dtype.element_ty)
-        for t in range(0, length):
+        for t in range(0, span):
             tok = (start + t).to(tl.int64)
             tl.store(out_ptr + tok * stride_o_t + hv * stride_o_h + offs_v, zeros, mask=mask_v)

@@ -16,8 +16,7 @@ import contextlib
 from typing import Iterator, Union
 
 from ...core.backend import Backend
-from ...core.registry import get_backend
-from ...core.repeats import REPEATS
+from ...core.registry import get_backend, registry
 from .backend import TritonBackend
 from .config import LaunchTable
 
@@ -32,9 +31,9 @@ def launch_table(backend: Union[str, Backend], table: LaunchTable) -> Iterator[T
         raise TypeError(f"launch_table: table must be a LaunchTable, got {type(table).__name__}")
     previous = be._table_override
     be._table_override = table
-    REPEATS.clear()      # launches bound under the previous table must not repeat under this one
+    registry().invalidate()     # no launch bound under the previous table is repeated under this one
     try:
         yield be
     finally:
         be._table_override = previous
-        REPEATS.clear()
+        registry().invalidate()
