@@ -27,6 +27,7 @@ from recoverssm.backends.triton.commit import grouped_commit_kernel, plan_commit
 from recoverssm.backends.triton.config import LaunchTable
 from recoverssm.backends.triton.conv import conv_decode_kernel, conv_verify_kernel
 from recoverssm.backends.triton.launch import commit_specialization, recurrence_specialization
+from recoverssm.backends.triton.pending import clear_rows_kernel, defer_kernel
 from recoverssm.backends.triton.recurrence import recurrence_kernel
 from recoverssm.core.backend import GateInputs
 
@@ -61,10 +62,12 @@ def compile_one(fn, constexprs, pointer_types, options, arch):
 def cases(table: LaunchTable, K=128, V=128, H=16, HV=48):
     """Every specialization the cuda backend launches at these head sizes: the recurrence for
     GDN and KDA, raw and precomputed gates, fp32 and bf16 states, on the large-grid tile and the
-    small-grid one; both conv kernels; the plan; the commit for both state dtypes and both decays."""
+    small-grid one; both conv kernels; the plan; the commit and the flush for both state dtypes
+    and both decays; the defer kernels."""
     ints = {n: "*i32" for n in ("state_indices_ptr", "qsl_ptr", "snapshot_ptr", "num_accepted_ptr",
                                 "request_indices_ptr", "block_table_ptr", "num_computed_ptr",
-                                "commit_len_ptr", "final_ptr", "boundary_ptr", "boundary_len_ptr")}
+                                "commit_len_ptr", "final_ptr", "boundary_ptr", "boundary_len_ptr",
+                                "pending_rows_ptr", "plan_ptr", "parity_ptr", "flush_rows_ptr", "rows_ptr")}
     floats = {"scale": "fp32", "lower_bound": "fp32"}
     for state_dtype, state in ((torch.float32, "*fp32"), (torch.bfloat16, "*bf16")):
         for kind in ("gdn", "kda"):
@@ -89,8 +92,12 @@ def cases(table: LaunchTable, K=128, V=128, H=16, HV=48):
             _, constexprs, options = commit_specialization(table.commit_for(state_dtype), table, state, "bf16",
                                                            H, HV, K, V, conv_cols=4, aligned=True,
                                                            vector_decay=vector_decay)
-            yield (f"grouped_commit state={state} vector_decay={vector_decay}", grouped_commit_kernel, constexprs,
-                   {**ints, "layer_table_ptr": "*i64", "group_table_ptr": "*i64"}, options)
+            for flush in (False, True):
+                yield (f"grouped_commit state={state} vector_decay={vector_decay}{' flush' if flush else ''}",
+                       grouped_commit_kernel, {**constexprs, "FLUSH": flush},
+                       {**ints, "layer_table_ptr": "*i64", "group_table_ptr": "*i64"}, options)
+    yield ("defer", defer_kernel, dict(BLOCK=table.plan_block), {**ints, "group_table_ptr": "*i64"}, table.options(4))
+    yield ("clear_rows", clear_rows_kernel, dict(BLOCK=table.plan_block), ints, table.options(4))
 
 
 def main(argv=None) -> int:

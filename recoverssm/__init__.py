@@ -11,12 +11,12 @@ from .core.backend import Backend
 from .core.commit import CommitContext, plan_commit
 from .core.registry import BackendError, available_backends, get_backend
 from .core.repeats import no_repeats
-from .core.types import CommitPlan, LayerCache, ReplayRecords
+from .core.types import CommitPlan, LayerCache, Pending, ReplayRecords
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Backend", "BackendError", "CommitContext", "CommitPlan", "LayerCache", "ReplayRecords",
+    "Backend", "BackendError", "CommitContext", "CommitPlan", "LayerCache", "Pending", "ReplayRecords",
     "available_backends", "conv_decode", "conv_verify", "gdn_decode", "gdn_spec_decode_snapshot", "gdn_verify",
     "get_backend", "kda_decode", "kda_spec_decode_snapshot", "kda_verify", "no_repeats", "plan_commit",
     "__version__",

@@ -18,11 +18,14 @@ DIM = 2 * H * K + HV * V
 
 
 WRITES = {
-    "conv_verify": {"conv_state", "out"}, "conv_decode": {"conv_state", "out"},
+    "conv_verify": {"conv_state", "out", "pending_plan"}, "conv_decode": {"conv_state", "out"},
     "gdn_verify": {"correction", "key", "decay", "out"}, "kda_verify": {"correction", "key", "decay", "out"},
+    "gdn_verify_pending": {"state", "correction", "key", "decay", "out", "pending_plan"},
+    "kda_verify_pending": {"state", "correction", "key", "decay", "out", "pending_plan"},
     "gdn_decode": {"state", "out"}, "kda_decode": {"state", "out"},
     "gdn_spec_decode_snapshot": {"state", "out"}, "kda_spec_decode_snapshot": {"state", "out"},
-    "plan_commit": set(), "commit": {"states", "conv_states"},
+    "plan_commit": set(), "commit": {"states", "conv_states"}, "defer": {"plan", "parity"},
+    "flush": {"states", "conv_states", "plan"},
 }
 
 
@@ -43,14 +46,15 @@ def step_inputs(dev, seed=0, lens=(3, 0, 2), slots=(1, 3, -1)):
     return {n: v.to(dev) for n, v in t.items()}
 
 
-def layer(dev, seed, kind="gdn"):
+def layer(dev, seed, kind="gdn", buffers=1):
     g = torch.Generator().manual_seed(100 + seed)
     t = dict(state=torch.randn(8, HV, V, K, generator=g) * 0.3, conv=torch.randn(8, DIM, WIDTH - 1 + 4, generator=g),
              w=torch.randn(DIM, WIDTH, generator=g), bias=torch.randn(DIM, generator=g),
              A_log=torch.randn(HV, generator=g) * 0.3,
              dt_bias=torch.randn(HV, K, generator=g) if kind == "kda" else torch.randn(HV, generator=g))
     t = {n: v.to(dev) for n, v in t.items()}
-    t["records"] = rs.ReplayRecords.allocate(3, 4, H, HV, K, V, device=dev, vector_decay=kind == "kda")
+    t["records"] = rs.ReplayRecords.allocate(3, 4, H, HV, K, V, device=dev, vector_decay=kind == "kda",
+                                             buffers=buffers)
     return t
 
 
@@ -69,9 +73,27 @@ def test_opcheck_every_op(backend):
     rec, krec = gl["records"], kl["records"]
     snaps = torch.tensor([[4, 5, -1], [-1, -1, -1], [-1, -1, -1]], dtype=I32, device=dev)
     ops = torch.ops.recoverssm
+    # a context that defers: its pending step, double-buffered records, the rows that continue
+    dl = layer(dev, 2, buffers=2)
+    dctx = rs.CommitContext([[rs.LayerCache(dl["state"], dl["records"], dl["conv"], conv_width=WIDTH)]],
+                            max_batch=3, backend=backend, deferred=True)
+    pending, drec = dctx.pending, dl["records"]
+    kdl = layer(dev, 3, "kda", buffers=2)
+    kctx = rs.CommitContext([[rs.LayerCache(kdl["state"], kdl["records"], kdl["conv"], conv_width=WIDTH)]],
+                            max_batch=3, backend=backend, deferred=True)
+    kpending, kdrec = kctx.pending, kdl["records"]
+    rows = torch.tensor([0, -1, 1], dtype=I32, device=dev)
     calls = [
         (ops.conv_verify, (s["x"], gl["conv"], gl["w"], gl["bias"], s["state_indices"], s["qsl"], True, -1,
-                           torch.empty_like(s["x"]), backend, None)),
+                           torch.empty_like(s["x"]), None, None, backend, None)),
+        (ops.gdn_verify_pending, (q, k, v, dl["state"], s["state_indices"], s["qsl"], drec.correction, drec.key,
+                                  drec.decay, s["a"], s["b"], dl["A_log"], dl["dt_bias"], None, None, None, True, -1,
+                                  out, pending.plan, rows, pending.parity, backend, None)),
+        (ops.defer, (pending.plan, pending.parity, s["num_accepted"], s["qsl"], [s["state_indices"]], [None], [None],
+                     [None], [0], -1, 3, dctx.id, backend, None)),
+        (ops.flush, ([dl["state"]], [dl["conv"]], [drec.correction], [drec.key], [drec.decay], [0], [WIDTH],
+                     pending.plan, pending.parity, torch.tensor([0, 1], dtype=I32, device=dev), -1, 3, dctx.id,
+                     backend, None)),
         (ops.conv_decode, (s["x"][:3], gl["conv"], gl["w"], gl["bias"], s["state_indices"], True, -1,
                            torch.empty(3, DIM, device=dev), backend, None)),
         (ops.gdn_verify, (q, k, v, gl["state"], s["state_indices"], s["qsl"], rec.correction, rec.key, rec.decay,
@@ -83,6 +105,9 @@ def test_opcheck_every_op(backend):
         (ops.kda_verify, (q, k, v, kl["state"], s["state_indices"], s["qsl"], krec.correction, krec.key, krec.decay,
                           s["ka"], s["b"], kl["A_log"], kl["dt_bias"], None, None, -5.0, None, True, -1, out,
                           backend, None)),
+        (ops.kda_verify_pending, (q, k, v, kdl["state"], s["state_indices"], s["qsl"], kdrec.correction,
+                                  kdrec.key, kdrec.decay, s["ka"], s["b"], kdl["A_log"], kdl["dt_bias"], None, None,
+                                  -5.0, None, True, -1, out, kpending.plan, rows, kpending.parity, backend, None)),
         (ops.kda_decode, (q, k, v, kl["state"], s["state_indices"], s["qsl"], s["ka"], s["b"], kl["A_log"],
                           kl["dt_bias"], None, None, None, None, True, -1, out, backend, None)),
         (ops.kda_spec_decode_snapshot, (q, k, v, kl["state"], s["state_indices"], s["qsl"], snaps, s["ka"], s["b"],

@@ -14,7 +14,7 @@ import torch
 
 from .ops import BackendArg, op, resolve_name
 from .repeats import REPEATS
-from .types import ReplayRecords
+from .types import Pending, ReplayRecords
 from .validation import check_int, check_real, check_types
 
 CONV_ACTIVATIONS = {"silu": True, None: False, "none": False, "identity": False}
@@ -45,6 +45,23 @@ def _records(op_name: str, records) -> ReplayRecords:
     return records
 
 
+def _pending(op_name: str, pending, pending_rows) -> tuple:
+    """``(plan, pending_rows, parity)`` of a verify's ``pending`` step (``(None, None, None)``
+    without one); the plan must be one group's view."""
+    if pending is None:
+        if pending_rows is not None:
+            raise ValueError(f"{op_name}: pending_rows is given without pending")
+        return None, None, None
+    if not isinstance(pending, Pending):
+        raise TypeError(f"{op_name}: pending must be a recoverssm.Pending (CommitContext.pending), "
+                        f"got {type(pending).__name__}")
+    if pending.num_groups != 1:
+        raise ValueError(f"{op_name}: pending holds {pending.num_groups} KV-cache groups; pass the layer's "
+                         "group, pending[g]")
+    check_types(op_name, pending_rows=pending_rows)
+    return pending.plan, pending_rows, pending.parity
+
+
 # ------------------------------------------------------------------------------------------------
 # conv
 # ------------------------------------------------------------------------------------------------
@@ -52,6 +69,7 @@ def conv_verify(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
                 bias: Optional[torch.Tensor], *, state_indices: torch.Tensor,
                 query_start_loc: torch.Tensor, activation: Optional[str] = "silu",
                 null_slot: int = -1, out: Optional[torch.Tensor] = None,
+                pending: Optional[Pending] = None, pending_rows: Optional[torch.Tensor] = None,
                 backend: BackendArg = None, check: Optional[bool] = None) -> torch.Tensor:
     """Causal depthwise conv of each row's window, reading the history from ``conv_state``.
 
@@ -64,11 +82,17 @@ def conv_verify(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
     accumulated in fp32; ``activation``: ``"silu"`` or ``None``.
     ``state_indices``: int32 ``[B]``; ``query_start_loc``: int32 ``[B + 1]``, each row at most
     ``window`` tokens. Returns ``out``: ``[T_total, conv_dim]`` in ``x.dtype`` (padding rows: zeros).
+
+    ``pending``, ``pending_rows``: the step before this one deferred its commit
+    (:meth:`CommitContext.defer`): row ``r`` continues deferred row ``pending_rows[r]`` (a value
+    ``<= null_slot``: none) and first compacts that row's history into its final (and
+    boundary) slot, as the commit would have; ``state_indices[r]`` is that final slot.
     """
     name = "conv_verify"
     silu = _silu(name, activation)
     result = _out_like(x, out) if isinstance(x, torch.Tensor) else out
-    args = (x, conv_state, weight, bias, state_indices, query_start_loc, silu, null_slot, result,
+    plan, rows, _ = _pending(name, pending, pending_rows)
+    args = (x, conv_state, weight, bias, state_indices, query_start_loc, silu, null_slot, result, plan, rows,
             resolve_name(backend), check)
     if not REPEATS.run(name, args, check):
         check_types(name, x=x, conv_state=conv_state, weight=weight, bias=bias, state_indices=state_indices,
@@ -143,7 +167,8 @@ _RECURRENCE_DOC = """
 
 
 def _recurrence(kind: str, mode: str, q, k, v, state, state_indices, query_start_loc, records, snapshot_slots,
-                gates: dict, scale, use_qk_l2norm, null_slot, out, backend, check) -> torch.Tensor:
+                gates: dict, scale, use_qk_l2norm, null_slot, out, backend, check, pending=None,
+                pending_rows=None) -> torch.Tensor:
     name = f"{kind}_{'spec_decode_snapshot' if mode == 'snapshot' else mode}"
     scale = _as_float(scale)           # the op receives floats; an int would key its repeats apart
     lower = () if kind == "gdn" else (_as_float(gates.pop("lower_bound")),)
@@ -151,15 +176,25 @@ def _recurrence(kind: str, mode: str, q, k, v, state, state_indices, query_start
     # only matches arguments of the types that call passed its checks with.
     result = _out_like(v, out) if isinstance(v, torch.Tensor) else out
     head = (q, k, v, state, state_indices, query_start_loc)
-    tail = (scale, use_qk_l2norm, null_slot, result, resolve_name(backend), check)
+    tail = (scale, use_qk_l2norm, null_slot, result)
+    end = (resolve_name(backend), check)
     gate_args = (gates["a"], gates["b"], gates["A_log"], gates["dt_bias"], gates["g"], gates["beta"])
     if mode == "verify":
         rec = _records(name, records)
-        args = (*head, rec.correction, rec.key, rec.decay, *gate_args, *lower, *tail)
+        plan, rows, parity = _pending(name, pending, pending_rows)
+        if (rec.buffers == 2) != (plan is not None):
+            raise ValueError(f"{name}: records have {rec.buffers} buffer(s); double-buffered records (buffers=2) "
+                             "go with pending= (the CommitContext's that defers its commits), and only they")
+        records_args = (rec.correction, rec.key, rec.decay)
+        if plan is None:
+            args = (*head, *records_args, *gate_args, *lower, *tail, *end)
+        else:
+            name = f"{kind}_verify_pending"
+            args = (*head, *records_args, *gate_args, *lower, *tail, plan, rows, parity, *end)
     elif mode == "decode":
-        args = (*head, *gate_args, *lower, *tail)
+        args = (*head, *gate_args, *lower, *tail, *end)
     else:
-        args = (*head, snapshot_slots, *gate_args, *lower, *tail)
+        args = (*head, snapshot_slots, *gate_args, *lower, *tail, *end)
     if REPEATS.run(name, args, check):
         return result
     check_types(name, q=q, k=k, v=v, state=state, state_indices=state_indices, query_start_loc=query_start_loc,
@@ -181,17 +216,25 @@ def gdn_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, state: torc
                A_log: Optional[torch.Tensor] = None, dt_bias: Optional[torch.Tensor] = None,
                g: Optional[torch.Tensor] = None, beta: Optional[torch.Tensor] = None,
                scale: Optional[float] = None, use_qk_l2norm: bool = True, null_slot: int = -1,
-               out: Optional[torch.Tensor] = None, backend: BackendArg = None,
+               out: Optional[torch.Tensor] = None, pending: Optional[Pending] = None,
+               pending_rows: Optional[torch.Tensor] = None, backend: BackendArg = None,
                check: Optional[bool] = None) -> torch.Tensor:
     """Verify a window per row from its read-only checkpoint; write outputs and replay records.
 
     The state is read, never written. Each row's length is at most ``records.max_window`` and
     ``B <= records.max_batch``; the records of row ``r`` land at ``records.*[r, :, t]`` for
     ``t < len`` (correction ``c``, key ``k^``, decay), for :meth:`CommitContext.commit`.
+
+    ``pending``, ``pending_rows`` (a context that defers its commits, :meth:`CommitContext.defer`;
+    ``records`` then double-buffered): row ``r`` first does what the commit of deferred row
+    ``pending_rows[r]`` would have done to this layer (replays its records from the other
+    buffer, stores its boundary and final states), then verifies from that final state, which
+    ``state_indices[r]`` names; a value ``<= null_slot`` (or ``pending_rows=None``): nothing to
+    replay. This step's records go to the buffer ``pending.parity`` names.
     """
     return _recurrence("gdn", "verify", q, k, v, state, state_indices, query_start_loc, records, None,
                        dict(a=a, b=b, A_log=A_log, dt_bias=dt_bias, g=g, beta=beta), scale, use_qk_l2norm,
-                       null_slot, out, backend, check)
+                       null_slot, out, backend, check, pending, pending_rows)
 
 
 def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, state: torch.Tensor,
@@ -239,6 +282,7 @@ def kda_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, state: torc
                g: Optional[torch.Tensor] = None, beta: Optional[torch.Tensor] = None,
                lower_bound: Optional[float] = None, scale: Optional[float] = None,
                use_qk_l2norm: bool = True, null_slot: int = -1, out: Optional[torch.Tensor] = None,
+               pending: Optional[Pending] = None, pending_rows: Optional[torch.Tensor] = None,
                backend: BackendArg = None, check: Optional[bool] = None) -> torch.Tensor:
     """KDA (Kimi Delta Attention) verify: :func:`gdn_verify` with a decay per K channel.
 
@@ -246,7 +290,7 @@ def kda_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, state: torc
     max_window, K]``); the commit replays them like GDN's."""
     return _recurrence("kda", "verify", q, k, v, state, state_indices, query_start_loc, records, None,
                        dict(a=a, b=b, A_log=A_log, dt_bias=dt_bias, g=g, beta=beta, lower_bound=lower_bound),
-                       scale, use_qk_l2norm, null_slot, out, backend, check)
+                       scale, use_qk_l2norm, null_slot, out, backend, check, pending, pending_rows)
 
 
 def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, state: torch.Tensor,

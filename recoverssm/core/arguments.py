@@ -14,6 +14,7 @@ import torch
 from .backend import GateInputs
 from .indices import INT32_MAX, is_request, is_slot
 from .plan import plan_rows
+from .types import PLAN_FIELDS
 from .validation import FLOAT_DTYPES, STATE_DTYPES, Checker, PassedLayouts
 
 F32 = (torch.float32,)
@@ -31,10 +32,11 @@ class RecordDims(NamedTuple):
 
 
 def check_records(c: Checker, name: str, correction, key, decay,
-                  vector_decay: Optional[bool] = None) -> RecordDims:
-    """``correction [max_batch, HV, max_window, V]``, ``key [max_batch, H, max_window, K]``,
-    ``decay [max_batch, HV, max_window]`` (scalar decay) or ``[..., K]`` (vector decay), all fp32
-    and contiguous. ``vector_decay``: the kind the caller needs (``None``: either)."""
+                  vector_decay: Optional[bool] = None, buffers: int = 1) -> RecordDims:
+    """``correction [rows, HV, max_window, V]``, ``key [rows, H, max_window, K]``,
+    ``decay [rows, HV, max_window]`` (scalar decay) or ``[..., K]`` (vector decay), all fp32
+    and contiguous, ``rows = buffers * max_batch``. ``vector_decay``: the kind the caller needs
+    (``None``: either)."""
     c.tensor(f"{name}.correction", correction, dims=4, dtypes=F32, contiguous=True)
     c.tensor(f"{name}.key", key, dims=4, dtypes=F32, contiguous=True)
     mb, HV, T, V = correction.shape
@@ -54,7 +56,69 @@ def check_records(c: Checker, name: str, correction, key, decay,
              shape=(mb, HV, T, K) if vector else (mb, HV, T), why=f" (from {name}.correction and .key)")
     if HV % H:
         c.fail(name, f"have {HV} value heads, not a multiple of their {H} key heads")
-    return RecordDims(mb, H, HV, T, K, V, vector)
+    if mb % buffers:
+        c.fail(name, f"have {mb} rows, not {buffers} buffers of equal size: allocate them with buffers={buffers}")
+    return RecordDims(mb // buffers, H, HV, T, K, V, vector)
+
+
+# ------------------------------------------------------------------------------------------------
+# a verify's pending step (deferred commits)
+# ------------------------------------------------------------------------------------------------
+def check_pending(c: Checker, plan, rows, parity, B: int) -> int:
+    """``plan`` int32 ``[1, 6, max_batch]`` (one group's view of ``Pending.plan``), ``rows`` int32
+    ``[B]`` or ``None``, ``parity`` int32 ``[1]`` (``None`` where the op takes no records).
+    Returns the plan's rows."""
+    c.tensor("pending.plan", plan, dims=3, dtypes=(torch.int32,), contiguous=True)
+    if plan.shape[0] != 1 or plan.shape[1] != len(PLAN_FIELDS):
+        c.fail("pending.plan", f"has shape {list(plan.shape)}; expected [1, {len(PLAN_FIELDS)}, max_batch]: pass "
+                               "the view of the layer's KV-cache group, pending[g]")
+    if parity is not None:
+        c.tensor("pending.parity", parity, dtypes=(torch.int32,), shape=(1,), contiguous=True)
+    if rows is not None:
+        c.index("pending_rows", rows, B)
+    return c.size("pending.plan", plan.shape[2], "max_batch")
+
+
+def pending_rows_values(c: Checker, plan, rows, state_indices, null_slot: int, num_slots: int) -> list:
+    """Host-side value checks of a verify's pending step. ``pending_rows``: each entry padding
+    (``<= null_slot``) or a row of the plan, no row twice; a row with a commit pending must name
+    the pending commit's final slot in ``state_indices`` (where it continues) and the plan's
+    slots must be slots. Returns ``(row, plan row)`` of the rows that replay a pending commit."""
+    plan_rows = plan.shape[2]
+    fields = plan[0].tolist()
+    prev = rows.tolist()
+    slots = state_indices.tolist()
+    seen: dict[int, int] = {}
+    replaying = []
+    for r, p in enumerate(prev):
+        if p <= null_slot or not is_slot(slots[r], null_slot, num_slots):
+            continue
+        if not is_request(p, plan_rows):
+            c.fail("pending_rows", f"entry {r} = {p} is neither a padding value (<= null_slot = {null_slot}) "
+                                   f"nor a row of the pending step in [0, {plan_rows})")
+        if p in seen:
+            c.fail("pending_rows", f"makes rows {seen[p]} and {r} both replay row {p} of the pending step")
+        seen[p] = r
+        n, src, final, boundary = fields[0][p], fields[1][p], fields[2][p], fields[3][p]
+        if n <= 0:
+            continue
+        for what, slot in (("source_slot", src), ("final_slot", final)):
+            if not is_slot(slot, null_slot, num_slots):
+                c.fail("pending.plan", f"{what} of row {p} = {slot} is not a slot in [0, {num_slots})")
+        if boundary > null_slot and not is_slot(boundary, null_slot, num_slots):
+            c.fail("pending.plan", f"boundary_slot of row {p} = {boundary} is not a slot in [0, {num_slots})")
+        if slots[r] != final:
+            c.fail("state_indices", f"entry {r} = {slots[r]}, but its row replays the pending commit of row {p}, "
+                                    f"whose final slot is {final}: a continuing row verifies from that slot")
+        replaying.append((r, p))
+    # The replays write the final (and boundary) slots while every row reads its source: one
+    # writer per slot, and no slot written that another row reads.
+    writes = [(r, slot) for r, p in replaying for slot in (fields[2][p], fields[3][p]) if slot > null_slot]
+    replayed = dict(replaying)
+    sources = [(r, fields[1][replayed[r]] if r in replayed else s) for r, s in enumerate(slots)
+               if is_slot(s, null_slot, num_slots)]
+    c.distinct_writes("pending.plan", writes, sources)
+    return replaying
 
 
 # ------------------------------------------------------------------------------------------------
@@ -64,17 +128,27 @@ _PASSED = PassedLayouts()
 
 
 def check_conv(op: str, x, conv_state, weight, bias, state_indices, query_start_loc, null_slot: int,
-               out, check: Optional[bool], static: bool = False) -> None:
-    """``conv_verify`` (``query_start_loc`` given) and ``conv_decode`` (``None``: one token per row)."""
+               out, check: Optional[bool], static: bool = False, pending_plan=None, pending_rows=None) -> None:
+    """``conv_verify`` (``query_start_loc`` given) and ``conv_decode`` (``None``: one token per row);
+    ``pending_plan``, ``pending_rows``: a verify's pending step (:func:`check_pending`)."""
     c = Checker(op, x.device if isinstance(x, torch.Tensor) else torch.device("cpu"), static)
     key = None if static else _PASSED.key(op, (null_slot, x, conv_state, weight, bias, state_indices,
-                                               query_start_loc, out))
+                                               query_start_loc, out, pending_plan, pending_rows))
     if key is None or key not in _PASSED:
         _conv_layout(c, x, conv_state, weight, bias, state_indices, query_start_loc, null_slot, out)
+        if pending_plan is not None:
+            check_pending(c, pending_plan, pending_rows, None, state_indices.shape[0])
+            c.writes([("pending.plan", pending_plan), ("out", out), ("conv_state", conv_state)],
+                     [("pending_rows", pending_rows), ("x", x), ("weight", weight), ("bias", bias),
+                      ("state_indices", state_indices), ("query_start_loc", query_start_loc)])
+        elif pending_rows is not None:
+            c.fail("pending_rows", "is given without pending")
         if key is not None:
             _PASSED.add(key)
     if c.values(check):
         _conv_values(c, x, conv_state, weight, state_indices, query_start_loc, null_slot)
+        if pending_plan is not None and pending_rows is not None:
+            pending_rows_values(c, pending_plan, pending_rows, state_indices, null_slot, conv_state.shape[0])
 
 
 def _conv_layout(c: Checker, x, conv_state, weight, bias, state_indices, query_start_loc, null_slot, out) -> None:
@@ -162,24 +236,28 @@ def _check_gates(c: Checker, kind: str, T: int, HV: int, K: int, a, b, A_log, dt
 def check_recurrence(op: str, kind: str, mode: str, q, k, v, state, state_indices, query_start_loc,
                      a, b, A_log, dt_bias, g, beta, scale, use_qk_l2norm, null_slot: int, out,
                      records: Optional[tuple], snapshot_slots, lower_bound,
-                     check: Optional[bool], static: bool = False) -> RecurrenceArgs:
+                     check: Optional[bool], static: bool = False, pending: Optional[tuple] = None) -> RecurrenceArgs:
     """Every check of ``{gdn,kda}_{verify,decode,spec_decode_snapshot}``. ``records``:
-    ``(correction, key, decay)`` in verify, else ``None``; ``snapshot_slots`` in snapshot mode."""
+    ``(correction, key, decay)`` in verify, else ``None``; ``snapshot_slots`` in snapshot mode;
+    ``pending``: a verify's ``(plan, rows, parity)`` (its records are then double-buffered)."""
     c = Checker(op, q.device if isinstance(q, torch.Tensor) else torch.device("cpu"), static)
     key = None if static else _PASSED.key(op, (scale, use_qk_l2norm, null_slot, lower_bound, q, k, v, state,
                                                state_indices, query_start_loc, a, b, A_log, dt_bias, g, beta, out,
-                                               snapshot_slots, *(records or ())))
+                                               snapshot_slots, *(records or ()), *(pending or ())))
     if key is not None and key in _PASSED:
         args = RecurrenceArgs(_gate_inputs(kind, a, b, A_log, dt_bias, g, beta, lower_bound),
                               float(q.shape[2] ** -0.5 if scale is None else scale))
     else:
         args = _recurrence_layout(c, kind, q, k, v, state, state_indices, query_start_loc, a, b, A_log, dt_bias, g,
-                                  beta, scale, use_qk_l2norm, null_slot, out, records, snapshot_slots, lower_bound)
+                                  beta, scale, use_qk_l2norm, null_slot, out, records, snapshot_slots, lower_bound,
+                                  pending)
         if key is not None:
             _PASSED.add(key)
     if c.values(check):
         _recurrence_values(c, mode, state_indices, query_start_loc, snapshot_slots, state.shape[0], null_slot,
                            q.shape[0], records[0].shape[2] if records is not None else None)
+        if pending is not None and pending[1] is not None:
+            pending_rows_values(c, pending[0], pending[1], state_indices, null_slot, state.shape[0])
     return args
 
 
@@ -193,8 +271,10 @@ def _gate_inputs(kind, a, b, A_log, dt_bias, g, beta, lower_bound) -> GateInputs
 
 def _recurrence_layout(c: Checker, kind: str, q, k, v, state, state_indices, query_start_loc, a, b, A_log, dt_bias,
                        g, beta, scale, use_qk_l2norm, null_slot, out, records, snapshot_slots,
-                       lower_bound) -> RecurrenceArgs:
-    HV, V, K, rec = _state_and_records(c, kind, state, records)
+                       lower_bound, pending) -> RecurrenceArgs:
+    if pending is not None and records is None:
+        c.fail("pending", "is given to an op that does not verify: only verify replays a pending step")
+    HV, V, K, rec = _state_and_records(c, kind, state, records, 2 if pending is not None else 1)
     H = rec.H if rec is not None else None
     c.tensor("q", q, dims=3, dtypes=FLOAT_DTYPES, last_contiguous=True)
     T = q.shape[0]
@@ -213,6 +293,10 @@ def _recurrence_layout(c: Checker, kind: str, q, k, v, state, state_indices, que
     c.index("query_start_loc", query_start_loc, B + 1)
     if rec is not None and rec.max_batch < B:
         c.fail("records", f"have room for {rec.max_batch} rows, the batch has {B}")
+    if pending is not None:
+        plan_rows = check_pending(c, pending[0], pending[1], pending[2], B)
+        if rec.max_batch < plan_rows:
+            c.fail("records", f"have room for {rec.max_batch} rows per buffer, the pending plan has {plan_rows}")
     if snapshot_slots is not None:
         c.tensor("snapshot_slots", snapshot_slots, dims=2, dtypes=(torch.int32,), contiguous=True)
         c.tensor("snapshot_slots", snapshot_slots, shape=(B, None), why=" (one row per row of state_indices)")
@@ -225,23 +309,27 @@ def _recurrence_layout(c: Checker, kind: str, q, k, v, state, state_indices, que
             ("snapshot_slots", snapshot_slots)]
     if records is not None:
         written += [("records.correction", records[0]), ("records.key", records[1]), ("records.decay", records[2])]
-        read.append(("state", state))
+        # a pending step's replay writes the state (its final and boundary slots)
+        (written if pending is not None else read).append(("state", state))
     else:
         written.append(("state", state))
+    if pending is not None:
+        written.append(("pending.plan", pending[0]))
+        read += [("pending_rows", pending[1]), ("pending.parity", pending[2])]
     c.writes(written, read)
     return RecurrenceArgs(gates, float(scale))
 
 
-def _state_and_records(c: Checker, kind: str, state, records) -> tuple:
+def _state_and_records(c: Checker, kind: str, state, records, buffers: int = 1) -> tuple:
     """The state pool's ``(HV, V, K)``, and the records' sizes (``None`` without records), which
-    must agree with it."""
+    must agree with it (``buffers``: 2 for a verify that replays a pending step)."""
     c.tensor("state", state, dims=4, dtypes=STATE_DTYPES, last_contiguous=True)
     _, HV, V, K = state.shape
     for what, size in (("HV", HV), ("V", V), ("K", K)):
         c.size("state", size, what)
     if records is None:
         return HV, V, K, None
-    rec = check_records(c, "records", *records, vector_decay=(kind == "kda"))
+    rec = check_records(c, "records", *records, vector_decay=(kind == "kda"), buffers=buffers)
     if (rec.HV, rec.V, rec.K) != (HV, V, K):
         c.fail("state", f"has HV={HV}, V={V}, K={K}, but the records were allocated for "
                         f"HV={rec.HV}, V={rec.V}, K={rec.K}")
@@ -447,6 +535,7 @@ class LayerTensors(NamedTuple):
     conv_state: Optional[torch.Tensor]
     conv_width: int          # 0 without a conv state
     group: int
+    record_buffers: int = 1  # 2: double-buffered records (a context that defers its commits)
 
 
 def check_layers(c: Checker, layers: Sequence[LayerTensors], max_batch: int, capabilities: frozenset,
@@ -477,7 +566,8 @@ def layer_names(layers: Sequence[LayerTensors]) -> list[str]:
 
 def _check_layer(c: Checker, where: str, layer: LayerTensors, max_batch: int, capabilities: frozenset,
                  backend_name: str) -> None:
-    rec = check_records(c, f"{where}.records", layer.correction, layer.key, layer.decay)
+    rec = check_records(c, f"{where}.records", layer.correction, layer.key, layer.decay,
+                        buffers=layer.record_buffers)
     if rec.vector_decay and "vector_decay" not in capabilities:
         c.fail(f"{where}.records", f"hold a vector decay (KDA), which backend {backend_name!r} cannot commit")
     c.tensor(f"{where}.state", layer.state, dims=4, dtypes=STATE_DTYPES, last_contiguous=True)
@@ -504,3 +594,28 @@ def _check_layer(c: Checker, where: str, layer: LayerTensors, max_batch: int, ca
     if cols < width - 1 + rec.max_window:
         c.fail(f"{where}.conv_state", f"has {cols} columns, fewer than the {width - 1} history columns of a "
                                       f"width-{width} conv plus the records' window of {rec.max_window}")
+
+
+def check_deferred_layers(c: Checker, layers: Sequence[LayerTensors], num_groups: int,
+                          capabilities: frozenset, backend_name: str) -> list[tuple[int, int, int]]:
+    """A context that defers its commits: the backend declares ``deferred``, and the layers of a
+    group share one slot count and one records window (their group's plan is computed once).
+    Returns per group ``(num_slots, max_window, replays)``: ``replays``, how many ops replay
+    each pending row (every layer's verify, and its conv verify where it has a conv state)."""
+    if "deferred" not in capabilities:
+        c.fail("deferred", f"is set, but backend {backend_name!r} does not declare 'deferred'")
+    names = layer_names(layers)
+    out = []
+    for g in range(num_groups):
+        members = [(name, layer) for name, layer in zip(names, layers) if layer.group == g]
+        first_name, first = members[0]
+        for name, layer in members[1:]:
+            if layer.state.shape[0] != first.state.shape[0]:
+                c.fail(f"{name}.state", f"has {layer.state.shape[0]} slots, {first_name}.state has "
+                                        f"{first.state.shape[0]}: layers of a group that defers its commits share one")
+            if layer.correction.shape[2] != first.correction.shape[2]:
+                c.fail(f"{name}.records", f"have a window of {layer.correction.shape[2]}, {first_name}.records "
+                                          f"{first.correction.shape[2]}: layers of a group that defers share one")
+        out.append((first.state.shape[0], first.correction.shape[2],
+                    sum(1 + (layer.conv_state is not None) for _, layer in members)))
+    return out

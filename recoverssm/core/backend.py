@@ -60,10 +60,12 @@ class Backend(ABC):
     #: ``conv_verify``, ``conv_decode``: the conv ops; ``gdn``: the GDN recurrence (verify,
     #: decode, snapshot); ``kda``: the KDA recurrence (vector decay); ``plan_commit``: the plan
     #: op; ``commit``: the grouped commit of scalar-decay records; ``vector_decay``: the commit of
-    #: KDA's vector-decay records; ``bf16_state``: bf16 state pools.
+    #: KDA's vector-decay records; ``bf16_state``: bf16 state pools; ``deferred``: deferred
+    #: commits (verify and conv verify replaying a pending step, a committer's ``defer`` and
+    #: ``flush``).
     CAPABILITIES = frozenset({
         "conv_verify", "conv_decode", "gdn", "kda", "plan_commit", "commit", "vector_decay",
-        "bf16_state",
+        "bf16_state", "deferred",
     })
 
     # ---- availability -------------------------------------------------------------------------
@@ -88,9 +90,12 @@ class Backend(ABC):
     def conv_verify(self, x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
                     bias: Optional[torch.Tensor], state_indices: torch.Tensor,
                     query_start_loc: torch.Tensor, silu: bool, null_slot: int,
-                    out: torch.Tensor, *, bind: bool = False) -> Optional[Launch]:
+                    out: torch.Tensor, *, pending: "Optional[PendingInputs]" = None,
+                    bind: bool = False) -> Optional[Launch]:
         """Causal depthwise conv of each row's window; writes ``out`` and the window columns of
-        ``conv_state`` (``[history, history + len)``), never the history columns."""
+        ``conv_state`` (``[history, history + len)``), never the history columns (but where a row
+        replays its ``pending`` step first: then the compacted history of its final and boundary
+        slots, and its window goes to the final slot)."""
 
     @abstractmethod
     def conv_decode(self, x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
@@ -105,10 +110,12 @@ class Backend(ABC):
                    query_start_loc: torch.Tensor, gates: "GateInputs", scale: float,
                    use_qk_l2norm: bool, null_slot: int, out: torch.Tensor,
                    records: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-                   snapshot_slots: Optional[torch.Tensor], *, bind: bool = False) -> Optional[Launch]:
+                   snapshot_slots: Optional[torch.Tensor], *, pending: "Optional[PendingInputs]" = None,
+                   bind: bool = False) -> Optional[Launch]:
         """The GDN or KDA recurrence (``gates.kind``) over each row's window, in one of three modes:
 
-        ``"verify"``: read the checkpoint, write ``out`` and ``records``; never write ``state``.
+        ``"verify"``: read the checkpoint, write ``out`` and ``records``; never write ``state``
+        (but where a row replays its ``pending`` step first: its final and boundary slots).
         ``"decode"``: write ``out`` and the final state back into the row's slot.
         ``"snapshot"``: write ``out`` and the state after every position into ``snapshot_slots``.
         """
@@ -158,13 +165,35 @@ class GateInputs:
         return self.kind == "kda"
 
 
+class PendingInputs:
+    """A verify's view of the step before it, whose commit was deferred.
+
+    ``plan``: int32 ``[1, 6, max_batch]``, the layer's KV-cache group's plan of the deferred step
+    (``core.types.PLAN_FIELDS``: commit length, source, final and boundary slots, boundary
+    length, replays); ``rows``: int32 ``[B]`` or ``None``, the deferred row each row of this call
+    replays first (``<= null_slot`` or ``None``: nothing); ``parity``: int32 ``[1]``, the records
+    buffer this call writes (the records are double-buffered: the other buffer holds the pending
+    step's), ``None`` for the conv. A row that replays does in registers what the commit of its
+    deferred row would have done (reads the source slot, replays ``commit_len`` records, stores
+    the boundary and final states, or compacts the conv history into them), adds one to the
+    row's ``replays``, then verifies from the final state."""
+
+    __slots__ = ("plan", "rows", "parity")
+
+    def __init__(self, plan, rows, parity):
+        self.plan, self.rows, self.parity = plan, rows, parity
+
+
 class CommitLayer:
     """One layer as a committer sees it: its tensors and the KV-cache group it belongs to.
-    ``conv_history``: the conv state's history columns (conv width - 1), 0 without a conv state."""
+    ``conv_history``: the conv state's history columns (conv width - 1), 0 without a conv state.
+    ``record_buffers``: 2 where the records are double-buffered (a context that defers its
+    commits: buffer ``b`` is rows ``[b * max_batch, (b + 1) * max_batch)``), else 1."""
 
-    __slots__ = ("group", "state", "correction", "key", "decay", "conv_state", "conv_history")
+    __slots__ = ("group", "state", "correction", "key", "decay", "conv_state", "conv_history", "record_buffers")
 
-    def __init__(self, group: int, state, correction, key, decay, conv_state, conv_history: int):
+    def __init__(self, group: int, state, correction, key, decay, conv_state, conv_history: int,
+                 record_buffers: int = 1):
         self.group = group
         self.state = state
         self.correction = correction
@@ -172,6 +201,7 @@ class CommitLayer:
         self.decay = decay
         self.conv_state = conv_state
         self.conv_history = conv_history
+        self.record_buffers = record_buffers
 
     @property
     def vector_decay(self) -> bool:
@@ -192,10 +222,30 @@ class GroupStep:
 
 
 class Committer(ABC):
-    """A backend's commit engine for a fixed set of layers (built once per ``CommitContext``)."""
+    """A backend's commit engine for a fixed set of layers (built once per ``CommitContext``).
+    ``bind``: as the kernel-facing functions (the module's docstring)."""
 
     @abstractmethod
     def commit(self, num_accepted: torch.Tensor, query_start_loc: torch.Tensor,
                groups: Sequence[GroupStep], *, bind: bool = False) -> Optional[Launch]:
         """Replay the accepted tokens of every row into every layer's state, and compact conv
-        states. ``bind``: as the kernel-facing functions (the module's docstring)."""
+        states."""
+
+    def defer(self, plan: torch.Tensor, parity: torch.Tensor, num_accepted: torch.Tensor,
+              query_start_loc: torch.Tensor, groups: Sequence[GroupStep], *,
+              bind: bool = False) -> Optional[Launch]:
+        """Write nothing but each group's commit plan of this step into ``plan`` (int32 ``[G, 6,
+        max_batch]``, ``core.types.PLAN_FIELDS``; rows past the batch commit nothing; ``replays``
+        zero) and flip ``parity`` (int32 ``[1]``): the records this step's verify wrote are now
+        the pending step's. The plan is the commit's (``core/plan.py``), with each group's
+        slot count and records window (one per group in a deferring context). Backends that
+        declare ``deferred`` implement it."""
+        raise NotImplementedError(f"{type(self).__name__} does not defer commits")
+
+    def flush(self, plan: torch.Tensor, parity: torch.Tensor, rows: torch.Tensor, *,
+              bind: bool = False) -> Optional[Launch]:
+        """Commit now the pending step of the deferred rows ``rows`` (int32 ``[R]``; entries that
+        are not rows of the plan are skipped): each row's plan entry (``core.plan.plan_entry``),
+        its records in the buffer ``1 - parity``; then their ``commit_len`` is 0 in every
+        group (nothing pending)."""
+        raise NotImplementedError(f"{type(self).__name__} does not defer commits")

@@ -12,12 +12,12 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from .arguments import LayerTensors, check_layers
+from .arguments import LayerTensors, check_deferred_layers, check_layers
 from .backend import Committer
 from .commit_op import commit_layer, register_context, repeat_args
 from .ops import BackendArg, backend_for, op, resolve_name
 from .repeats import REPEATS
-from .types import CommitPlan, LayerCache, ReplayRecords
+from .types import PLAN_FIELDS, CommitPlan, LayerCache, Pending, ReplayRecords
 from .validation import Checker, check_int, check_types
 
 PerGroup = Union[object, Sequence[object]]
@@ -60,10 +60,10 @@ def plan_commit(num_accepted: torch.Tensor, state_indices: torch.Tensor,
     return CommitPlan(*outputs, null_slot=null_slot)
 
 
-def _per_group(name: str, value, num_groups: int) -> list:
+def _per_group(op_name: str, name: str, value, num_groups: int) -> list:
     if isinstance(value, (list, tuple)):
         if len(value) != num_groups:
-            raise ValueError(f"CommitContext.commit: {name} has {len(value)} entries for {num_groups} groups")
+            raise ValueError(f"{op_name}: {name} has {len(value)} entries for {num_groups} groups")
         return list(value)
     return [value] * num_groups
 
@@ -84,25 +84,45 @@ class CommitContext:
     very index tensors the graph will use before capturing (that uploads the per-group table),
     then capture; replays may change the values in those index tensors (slots, accepted counts,
     padding rows), never the tensors themselves.
+
+    ``deferred=True``: the context defers its commits (:meth:`defer`, :meth:`flush`): every
+    layer's records are double-buffered (``ReplayRecords.allocate(..., buffers=2)``), the layers
+    of a group share one slot count and one records window, and :attr:`pending` holds the step
+    whose commit is pending, for the next step's verify ops.
     """
 
     def __init__(self, groups: Sequence[Sequence[LayerCache]], *, max_batch: int,
-                 backend: BackendArg = None, null_slot: int = -1):
+                 backend: BackendArg = None, null_slot: int = -1, deferred: bool = False):
         name = "CommitContext"
         if not isinstance(groups, (list, tuple)) or not groups:
             raise ValueError(f"{name}: groups must be a non-empty list of lists of LayerCache")
+        if not isinstance(deferred, bool):
+            raise TypeError(f"{name}: deferred must be a bool, got {type(deferred).__name__}")
         layers: list[LayerTensors] = []
         for gi, group in enumerate(groups):
             if not isinstance(group, (list, tuple)) or not group:
                 raise ValueError(f"{name}: groups[{gi}] must be a non-empty list of LayerCache")
             for li, layer in enumerate(group):
-                layers.append(_layer_tensors(name, f"groups[{gi}][{li}]", gi, layer))
+                layers.append(_layer_tensors(name, f"groups[{gi}][{li}]", gi, layer, deferred))
         device = layers[0].state.device
         c = Checker(name, device)
         self.max_batch = c.integer("max_batch", max_batch, minimum=1)
         self.null_slot = c.null_slot(null_slot)
         self.backend = backend_for("commit", resolve_name(backend), device)
         check_layers(c, layers, self.max_batch, self.backend.capabilities, self.backend.name)
+        self.deferred = deferred
+        #: Per group, how many ops replay each pending row (the recurrence and, with a conv state,
+        #: the conv of every layer); deferred contexts only.
+        self.replays_per_row: list[int] = []
+        self._pending: Optional[Pending] = None
+        if deferred:
+            info = check_deferred_layers(c, layers, len(groups), self.backend.capabilities, self.backend.name)
+            self.replays_per_row = [replays for _, _, replays in info]
+            plan = torch.zeros(len(groups), len(PLAN_FIELDS), self.max_batch, dtype=torch.int32, device=device)
+            plan[:, 1:4] = self.null_slot
+            self._pending = Pending(plan, torch.zeros(1, dtype=torch.int32, device=device))
+            self._all_rows = torch.arange(self.max_batch, dtype=torch.int32, device=device)
+            self._pending_inference = plan.is_inference()
         self.groups = [list(g) for g in groups]
         self.device = device
         self.layers = layers
@@ -122,6 +142,16 @@ class CommitContext:
     @property
     def num_groups(self) -> int:
         return len(self.groups)
+
+    @property
+    def pending(self) -> Pending:
+        """The step whose commit is pending (a context that defers its commits): the same tensors
+        for the life of the context, which :meth:`defer` and :meth:`flush` update in place. Pass
+        it (``pending[g]`` for a layer of group ``g`` where there are several) to the next
+        step's ``conv_verify`` and ``gdn_verify`` / ``kda_verify``."""
+        if self._pending is None:
+            raise ValueError("CommitContext.pending: this context commits eagerly; build it with deferred=True")
+        return self._pending
 
     @property
     def max_window(self) -> int:
@@ -147,23 +177,87 @@ class CommitContext:
         that step's launch without the checks (they would pass again; ``core/repeats.py``); any
         other call goes through ``torch.ops.recoverssm.commit``.
         """
-        G = self.num_groups
-        per = [_per_group(n, v, G) for n, v in (("state_indices", state_indices), ("request_indices", request_indices),
-                                                 ("block_table", block_table),
-                                                 ("num_computed_tokens", num_computed_tokens),
-                                                 ("block_size", block_size))]
-        block_sizes = [0 if bs is None else bs for bs in per[4]]
+        if self.deferred:        # the same plan and records: defer this step, then flush every row of it
+            self.defer(num_accepted, state_indices, query_start_loc, request_indices=request_indices,
+                       block_table=block_table, num_computed_tokens=num_computed_tokens, block_size=block_size,
+                       check=check)
+            self.flush(check=check)
+            return
+        per, block_sizes = self._step("CommitContext.commit", num_accepted, state_indices, query_start_loc,
+                                      request_indices, block_table, num_computed_tokens, block_size)
         if REPEATS.run("commit", repeat_args(self.id, num_accepted, query_start_loc, *per[:4], block_sizes, check),
                        check, self.device, self._written, self._writes_inference):
             return
-        check_types("CommitContext.commit", num_accepted=num_accepted, query_start_loc=query_start_loc,
+        self._check_step_types("CommitContext.commit", num_accepted, query_start_loc, per)
+        op("commit")(*self._layer_args, num_accepted, query_start_loc, *per[:4], block_sizes, self.null_slot,
+                     self.max_batch, self.id, self.backend.name, check)
+
+    def defer(self, num_accepted: torch.Tensor, state_indices: PerGroup, query_start_loc: torch.Tensor, *,
+              request_indices: PerGroup = None, block_table: PerGroup = None, num_computed_tokens: PerGroup = None,
+              block_size: PerGroup = None, check: Optional[bool] = None) -> Pending:
+        """End the step without writing any state: keep its commit plan (per row: commit length,
+        source, final and boundary slots, boundary length; the arguments and rules of
+        :meth:`commit`) and its records (the buffer this step's verify wrote) on the device, as
+        :attr:`pending`, which it returns. One small launch on a GPU.
+
+        The next step's ``conv_verify`` and ``gdn_verify`` / ``kda_verify`` of every layer take
+        ``pending=`` and ``pending_rows=`` (the row of this step each of their rows continues):
+        they commit the continuing rows first, in registers. Rows that do not continue (finished,
+        preempted or aborted requests, a block handed to another request) must be flushed
+        (:meth:`flush`) before the next :meth:`defer` or :meth:`commit`. Where value checks run
+        (``check=True``, ``RECOVERSSM_CHECK=1``, CPU tensors) a pending row that was neither
+        replayed by every op of its group nor flushed is a ``ValueError`` here."""
+        name = "CommitContext.defer"
+        pending = self.pending
+        per, block_sizes = self._step(name, num_accepted, state_indices, query_start_loc, request_indices,
+                                      block_table, num_computed_tokens, block_size)
+        key = repeat_args(self.id, num_accepted, query_start_loc, *per[:4], block_sizes, check)
+        if REPEATS.run("defer", key, check, self.device, [pending.plan, pending.parity], self._pending_inference):
+            return pending
+        self._check_step_types(name, num_accepted, query_start_loc, per)
+        op("defer")(pending.plan, pending.parity, num_accepted, query_start_loc, *per[:4], block_sizes,
+                    self.null_slot, self.max_batch, self.id, self.backend.name, check)
+        return pending
+
+    def flush(self, rows: Optional[torch.Tensor] = None, *, check: Optional[bool] = None) -> None:
+        """Commit now the pending step of the rows of the deferred step listed in ``rows`` (int32
+        ``[R]``, on the context's device; ``None``: every row), exactly as :meth:`commit` would
+        have committed them at :meth:`defer` time; they have nothing pending afterwards. For
+        requests that leave the batch (finished, preempted, aborted), a block about to be shared
+        through the prefix cache, and before the draft length or the batch layout changes in a
+        way the next verify does not follow with ``pending_rows``. A row the next step has
+        already replayed may not be flushed (checked where value checks run). Two launches on a
+        GPU (the commit, then clearing the flushed rows)."""
+        name = "CommitContext.flush"
+        pending = self.pending
+        rows = self._all_rows if rows is None else rows
+        check_types(name, rows=rows)
+        key = (self.id, rows, check)
+        if REPEATS.run("flush", key, check, self.device, [*self._written, pending.plan],
+                       self._writes_inference or self._pending_inference):
+            return
+        op("flush")(*self._layer_args, pending.plan, pending.parity, rows, self.null_slot, self.max_batch, self.id,
+                    self.backend.name, check)
+
+    def _step(self, name: str, num_accepted, state_indices, query_start_loc, request_indices, block_table,
+              num_computed_tokens, block_size) -> tuple[list, list]:
+        """A step's per-group arguments as lists, one entry per group, and its block sizes as the
+        op takes them (0: none)."""
+        G = self.num_groups
+        per = [_per_group(name, n, v, G) for n, v in (("state_indices", state_indices),
+                                                       ("request_indices", request_indices),
+                                                       ("block_table", block_table),
+                                                       ("num_computed_tokens", num_computed_tokens),
+                                                       ("block_size", block_size))]
+        return per, [0 if bs is None else bs for bs in per[4]]
+
+    def _check_step_types(self, name: str, num_accepted, query_start_loc, per: list) -> None:
+        G = self.num_groups
+        check_types(name, num_accepted=num_accepted, query_start_loc=query_start_loc,
                     **{f"{n}[{g}]": t for n, values in zip(("state_indices", "request_indices", "block_table",
                                                            "num_computed_tokens"), per) for g, t in enumerate(values)})
         for g, bs in enumerate(per[4]):
-            check_int("CommitContext.commit", f"block_size[{g}]" if G > 1 else "block_size", bs, optional=True,
-                      minimum=1)
-        op("commit")(*self._layer_args, num_accepted, query_start_loc, *per[:4], block_sizes, self.null_slot,
-                     self.max_batch, self.id, self.backend.name, check)
+            check_int(name, f"block_size[{g}]" if G > 1 else "block_size", bs, optional=True, minimum=1)
 
     def owns(self, states: Sequence[torch.Tensor], conv_states: Sequence[torch.Tensor],
              corrections: Sequence[torch.Tensor], keys: Sequence[torch.Tensor],
@@ -174,7 +268,7 @@ class CommitContext:
         return all(len(a) == len(b) and all(x is y for x, y in zip(a, b)) for a, b in zip(lists, mine[:5]))
 
 
-def _layer_tensors(name: str, where: str, group: int, layer) -> LayerTensors:
+def _layer_tensors(name: str, where: str, group: int, layer, deferred: bool) -> LayerTensors:
     if not isinstance(layer, LayerCache):
         raise TypeError(f"{name}: {where} must be a LayerCache, got {type(layer).__name__}")
     rec = layer.records
@@ -188,7 +282,11 @@ def _layer_tensors(name: str, where: str, group: int, layer) -> LayerTensors:
     if layer.conv_state is not None and layer.conv_width is None:
         raise ValueError(f"{name}: {where}.conv_width must be the conv kernel's width (an int >= 1) when a "
                          "conv_state is given, got None")
+    if (rec.buffers == 2) != deferred:
+        raise ValueError(f"{name}: {where}.records have {rec.buffers} buffer(s); a context that defers its commits "
+                         "(deferred=True) takes double-buffered records (ReplayRecords.allocate(..., buffers=2)), "
+                         "one that commits eagerly single ones")
     width = layer.conv_width if layer.conv_width is not None else 0
-    return LayerTensors(layer.state, rec.correction, rec.key, rec.decay, layer.conv_state, width, group)
+    return LayerTensors(layer.state, rec.correction, rec.key, rec.decay, layer.conv_state, width, group, rec.buffers)
 
 

@@ -9,9 +9,12 @@ import itertools
 import weakref
 from typing import Optional, Sequence
 
+import torch
+
 from .arguments import LayerTensors, check_layers, check_step_shapes, check_step_values, layer_names
 from .backend import Backend, CommitLayer, GroupStep, Launch
 from .registry import backend_for
+from .types import PLAN_FIELDS
 from .validation import Checker
 
 _CONTEXTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -38,7 +41,7 @@ def commit_layer(layer: LayerTensors) -> CommitLayer:
     """A checked layer as a backend's committer takes it."""
     history = layer.conv_width - 1 if layer.conv_state is not None else 0
     return CommitLayer(layer.group, layer.state, layer.correction, layer.key, layer.decay, layer.conv_state,
-                       history)
+                       history, layer.record_buffers)
 
 
 def run_commit_op(states, conv_states, corrections, keys, decays, groups, conv_widths, num_accepted,
@@ -65,6 +68,96 @@ def run_commit_op(states, conv_states, corrections, keys, decays, groups, conv_w
     if static:
         return None
     return committer.commit(num_accepted, query_start_loc, steps, bind=bind and owned)
+
+
+def run_defer_op(plan, parity, num_accepted, query_start_loc, state_indices, request_indices, block_tables,
+                 num_computed_tokens, block_sizes, null_slot, max_batch, context, backend, check,
+                 static: bool = False, bind: bool = False) -> Optional[Launch]:
+    """Check one deferred step and write its plan (``CommitContext.defer``): the context's layers
+    give each group's slot count and window. Where value checks run, the step it replaces must
+    have been replayed by every op of its group, or flushed (nothing pending is dropped)."""
+    name = "CommitContext.defer"
+    ctx = _CONTEXTS.get(context)
+    if ctx is None or not ctx.deferred:
+        raise ValueError(f"{name}: context {context} is not a live CommitContext that defers its commits")
+    c = Checker(name, ctx.device, static)
+    c.tensor("pending.plan", plan, dtypes=(torch.int32,), shape=tuple(ctx.pending.plan.shape), contiguous=True)
+    c.tensor("pending.parity", parity, dtypes=(torch.int32,), shape=(1,), contiguous=True)
+    steps = _check_step(c, ctx.layers, num_accepted, query_start_loc, state_indices, request_indices, block_tables,
+                        num_computed_tokens, block_sizes, null_slot, max_batch, check)
+    c.writes([("pending.plan", plan), ("pending.parity", parity)],
+             [("num_accepted", num_accepted), ("query_start_loc", query_start_loc),
+              *[(f"state_indices[{g}]", t) for g, t in enumerate(state_indices)]])
+    if static:
+        return None
+    if c.values(check):
+        _nothing_dropped(c, plan, ctx.replays_per_row, null_slot)
+    return ctx.committer.defer(plan, parity, num_accepted, query_start_loc, steps,
+                               bind=bind and plan is ctx.pending.plan and parity is ctx.pending.parity)
+
+
+def run_flush_op(states, conv_states, corrections, keys, decays, groups, conv_widths, plan, parity, rows,
+                 null_slot, max_batch, context, backend, check, static: bool = False,
+                 bind: bool = False) -> Optional[Launch]:
+    """Commit the pending step of the deferred rows ``rows`` now (``CommitContext.flush``), with
+    the context's committer when these are its very tensors (else one built for this call)."""
+    name = "CommitContext.flush"
+    ctx = _CONTEXTS.get(context)
+    owned = (ctx is not None and ctx.deferred and ctx.owns(states, conv_states, corrections, keys, decays)
+             and ctx.null_slot == null_slot)
+    if owned:
+        committer, layers, device = ctx.committer, ctx.layers, ctx.device
+    else:
+        committer, layers, device = _committer_for(states, conv_states, corrections, keys, decays, groups,
+                                                   conv_widths, max_batch, null_slot, backend, static, buffers=2)
+    c = Checker(name, device, static)
+    G = max(layer.group for layer in layers) + 1
+    c.tensor("pending.plan", plan, dims=3, dtypes=(torch.int32,), contiguous=True)
+    c.tensor("pending.plan", plan, shape=(G, len(PLAN_FIELDS), None), why=f" ({G} groups)")
+    c.tensor("pending.parity", parity, dtypes=(torch.int32,), shape=(1,), contiguous=True)
+    c.index("rows", rows)
+    names = layer_names(layers)
+    c.writes([(f"{n}.state", layer.state) for n, layer in zip(names, layers)]
+             + [(f"{n}.conv_state", layer.conv_state) for n, layer in zip(names, layers)] + [("pending.plan", plan)],
+             [("pending.parity", parity), ("rows", rows)])
+    if static:
+        return None
+    if c.values(check):
+        _flushable(c, plan, rows, null_slot)
+    return committer.flush(plan, parity, rows, bind=bind and owned)
+
+
+def _nothing_dropped(c: Checker, plan, replays_per_row: Sequence[int], null_slot: int) -> None:
+    """Every row of the pending step was replayed by each op of its group (its conv and
+    recurrence verify of every layer) or flushed; a row that was not, or was twice, is an error."""
+    fields = plan.tolist()
+    for g, (group, expected) in enumerate(zip(fields, replays_per_row)):
+        for row, (n, replays) in enumerate(zip(group[0], group[5])):
+            if n > 0 and replays != expected:
+                where = f" of group {g}" if len(fields) > 1 else ""
+                c.fail("pending", f"row {row}{where} has a pending commit that {replays} of its {expected} ops "
+                                  "replayed: continue the request in this step's verify of every layer (pending_rows), "
+                                  "or flush it (ctx.flush) before the next defer or commit; nothing pending is dropped")
+
+
+def _flushable(c: Checker, plan, rows, null_slot: int) -> None:
+    """Rows to flush are rows of the plan (or padding), each once, and not replayed yet (a
+    flush after a replay would commit the step twice)."""
+    fields = plan.tolist()
+    seen = set()
+    for i, row in enumerate(rows.tolist()):
+        if row <= null_slot:
+            continue
+        if not 0 <= row < plan.shape[2]:
+            c.fail("rows", f"entry {i} = {row} is neither a padding value (<= null_slot = {null_slot}) nor a row "
+                           f"of the pending step in [0, {plan.shape[2]})")
+        if row in seen:
+            c.fail("rows", f"lists row {row} twice")
+        seen.add(row)
+        for g, group in enumerate(fields):
+            if group[0][row] > 0 and group[5][row] != 0:
+                c.fail("rows", f"entry {i}: row {row} was already replayed by {group[5][row]} ops of this step; "
+                               "a row that continues is not flushed")
 
 
 def _check_step(c: Checker, layers, num_accepted, query_start_loc, state_indices, request_indices,
@@ -105,7 +198,7 @@ def _check_step(c: Checker, layers, num_accepted, query_start_loc, state_indices
 
 
 def _committer_for(states, conv_states, corrections, keys, decays, groups, conv_widths, max_batch, null_slot,
-                   backend, static: bool = False):
+                   backend, static: bool = False, buffers: int = 1):
     """Check layers given as the op's lists and build a committer for them (for one call: it is
     not kept, since it would keep the tensors alive)."""
     name = "CommitContext.commit"
@@ -121,13 +214,13 @@ def _committer_for(states, conv_states, corrections, keys, decays, groups, conv_
                          f"conv_states has {len(conv_states)}")
     conv = iter(conv_states)
     layers = [LayerTensors(states[i], corrections[i], keys[i], decays[i], next(conv) if conv_widths[i] else None,
-                           conv_widths[i], groups[i]) for i in range(n)]
+                           conv_widths[i], groups[i], buffers) for i in range(n)]
     device = states[0].device
     c = Checker(name, device, static)
     if static:
         check_layers(c, layers, max_batch, frozenset(Backend.CAPABILITIES), "(any)")
         return None, layers, device
-    be = backend_for("commit", "commit", backend, device)
+    be = backend_for("commit", "commit" if buffers == 1 else "deferred", backend, device)
     check_layers(c, layers, max_batch, be.capabilities, be.name)
     committer = be.make_committer([commit_layer(layer) for layer in layers], max(groups) + 1, max_batch, null_slot)
     return committer, layers, device

@@ -32,8 +32,8 @@ import torch
 
 from . import registry as _registry
 from .arguments import check_conv, check_plan, check_recurrence
-from .backend import Backend
-from .commit_op import repeat_args, run_commit_op
+from .backend import Backend, PendingInputs
+from .commit_op import repeat_args, run_commit_op, run_defer_op, run_flush_op
 from .registry import registry
 from .repeats import REPEATS
 from .writes import (count_writes, refuse_inference_writes, writes_inference_tensor, written_arguments,
@@ -50,7 +50,8 @@ _TAIL = "str backend, bool? check"
 
 SCHEMAS = {
     "conv_verify": "(Tensor x, Tensor(a!) conv_state, Tensor weight, Tensor? bias, Tensor state_indices, "
-                   f"Tensor query_start_loc, bool silu, int null_slot, Tensor(b!) out, {_TAIL}) -> ()",
+                   "Tensor query_start_loc, bool silu, int null_slot, Tensor(b!) out, Tensor(c!)? pending_plan, "
+                   f"Tensor? pending_rows, {_TAIL}) -> ()",
     "conv_decode": "(Tensor x, Tensor(a!) conv_state, Tensor weight, Tensor? bias, Tensor state_indices, "
                    f"bool silu, int null_slot, Tensor(b!) out, {_TAIL}) -> ()",
     "plan_commit": "(Tensor num_accepted, Tensor state_indices, Tensor query_start_loc, Tensor? request_indices, "
@@ -61,6 +62,13 @@ SCHEMAS = {
               "Tensor[] state_indices, Tensor?[] request_indices, Tensor?[] block_tables, "
               "Tensor?[] num_computed_tokens, int[] block_sizes, int null_slot, int max_batch, int context, "
               f"{_TAIL}) -> ()",
+    "defer": "(Tensor(a!) plan, Tensor(b!) parity, Tensor num_accepted, Tensor query_start_loc, "
+             "Tensor[] state_indices, Tensor?[] request_indices, Tensor?[] block_tables, "
+             "Tensor?[] num_computed_tokens, int[] block_sizes, int null_slot, int max_batch, int context, "
+             f"{_TAIL}) -> ()",
+    "flush": "(Tensor(a!)[] states, Tensor(b!)[] conv_states, Tensor[] corrections, Tensor[] keys, "
+             "Tensor[] decays, int[] groups, int[] conv_widths, Tensor(c!) plan, Tensor parity, Tensor rows, "
+             f"int null_slot, int max_batch, int context, {_TAIL}) -> ()",
 }
 for _kind in ("gdn", "kda"):
     _bound = ", float? lower_bound" if _kind == "kda" else ""
@@ -68,6 +76,12 @@ for _kind in ("gdn", "kda"):
         f"({_TOKENS}, Tensor state, Tensor state_indices, Tensor query_start_loc, Tensor(a!) correction, "
         f"Tensor(b!) key, Tensor(c!) decay, {_GATES}{_bound}, float? scale, bool use_qk_l2norm, "
         f"int null_slot, Tensor(d!) out, {_TAIL}) -> ()")
+    # verify after a deferred commit: it writes the state where a row replays its pending step
+    SCHEMAS[f"{_kind}_verify_pending"] = (
+        f"({_TOKENS}, Tensor(f!) state, Tensor state_indices, Tensor query_start_loc, Tensor(a!) correction, "
+        f"Tensor(b!) key, Tensor(c!) decay, {_GATES}{_bound}, float? scale, bool use_qk_l2norm, "
+        f"int null_slot, Tensor(d!) out, Tensor(e!) pending_plan, Tensor? pending_rows, Tensor parity, "
+        f"{_TAIL}) -> ()")
     SCHEMAS[f"{_kind}_decode"] = (
         f"({_TOKENS}, Tensor(a!) state, Tensor state_indices, Tensor query_start_loc, {_GATES}{_bound}, "
         f"float? scale, bool use_qk_l2norm, int null_slot, Tensor(b!) out, {_TAIL}) -> ()")
@@ -78,14 +92,23 @@ for _kind in ("gdn", "kda"):
 #: The capability a backend must declare for each op (``Backend.CAPABILITIES``).
 CAPABILITY = {"conv_verify": "conv_verify", "conv_decode": "conv_decode", "plan_commit": "plan_commit",
               "commit": "commit", **{f"{k}_{m}": k for k in ("gdn", "kda")
-                                     for m in ("verify", "decode", "spec_decode_snapshot")}}
+                                     for m in ("verify", "decode", "spec_decode_snapshot")},
+              **{f"{k}_verify_pending": "deferred" for k in ("gdn", "kda")}, "defer": "deferred",
+              "flush": "deferred"}
+
+
+def _step_key(a: dict) -> tuple:
+    return repeat_args(a["context"], a["num_accepted"], a["query_start_loc"], a["state_indices"], a["request_indices"],
+                       a["block_tables"], a["num_computed_tokens"], a["block_sizes"], a["check"])
+
+
 #: The ops whose launches an eager call may repeat (``core/repeats.py``), and what each is keyed
-#: on there: its own arguments in schema order (``None``), or for the commit its context and step.
-REPEATABLE = {"conv_verify": None, "conv_decode": None,
-              "commit": lambda a: repeat_args(a["context"], a["num_accepted"], a["query_start_loc"],
-                                              a["state_indices"], a["request_indices"], a["block_tables"],
-                                              a["num_computed_tokens"], a["block_sizes"], a["check"]),
-              **{f"{k}_{m}": None for k in ("gdn", "kda") for m in ("verify", "decode", "spec_decode_snapshot")}}
+#: on there: its own arguments in schema order (``None``), or for the ops of a commit context the
+#: context and the step (its layers and pending tensors are the context's).
+REPEATABLE = {"conv_verify": None, "conv_decode": None, "commit": _step_key, "defer": _step_key,
+              "flush": lambda a: (a["context"], a["rows"], a["check"]),
+              **{f"{k}_{m}": None for k in ("gdn", "kda")
+                 for m in ("verify", "verify_pending", "decode", "spec_decode_snapshot")}}
 
 
 def backend_for(op: str, name: str, device: torch.device) -> Backend:
@@ -99,14 +122,18 @@ def backend_for(op: str, name: str, device: torch.device) -> Backend:
 # the call's addresses, for repeats)
 # ------------------------------------------------------------------------------------------------
 def _conv_verify(x, conv_state, weight, bias, state_indices, query_start_loc, silu, null_slot, out,
-                 backend, check, static=False, bind=False):
+                 pending_plan, pending_rows, backend, check, static=False, bind=False):
     check_conv("conv_verify", x, conv_state, weight, bias, state_indices, query_start_loc, null_slot, out, check,
-               static)
+               static, pending_plan, pending_rows)
     if static:
         return None
     be = backend_for("conv_verify", backend, conv_state.device)
+    pending = None
+    if pending_plan is not None:
+        _registry.backend_for("conv_verify", "deferred", backend, conv_state.device)     # declared, or refused
+        pending = PendingInputs(pending_plan, pending_rows, None)
     return be.conv_verify(x, conv_state, weight, bias, state_indices, query_start_loc, silu, null_slot, out,
-                          bind=bind)
+                          pending=pending, bind=bind)
 
 
 def _conv_decode(x, conv_state, weight, bias, state_indices, silu, null_slot, out, backend, check, static=False,
@@ -118,24 +145,28 @@ def _conv_decode(x, conv_state, weight, bias, state_indices, silu, null_slot, ou
     return be.conv_decode(x, conv_state, weight, bias, state_indices, silu, null_slot, out, bind=bind)
 
 
-def _recurrence(kind: str, mode: str):
-    """The implementation of ``{kind}_{verify,decode,spec_decode_snapshot}``."""
-    op = f"{kind}_{'spec_decode_snapshot' if mode == 'snapshot' else mode}"
+def _recurrence(kind: str, mode: str, op: str):
+    """The implementation of ``op``: ``{kind}_{verify,verify_pending,decode,spec_decode_snapshot}``."""
 
     def impl(q, k, v, state, state_indices, query_start_loc, a, b, A_log, dt_bias, g, beta, scale,
              use_qk_l2norm, null_slot, out, backend, check, correction=None, key=None, decay=None,
-             snapshot_slots=None, lower_bound=None, static=False, bind=False):
+             snapshot_slots=None, lower_bound=None, pending_plan=None, pending_rows=None, parity=None,
+             static=False, bind=False):
         records = (correction, key, decay) if mode == "verify" else None
+        pending = None if pending_plan is None else (pending_plan, pending_rows, parity)
         args = check_recurrence(op, kind, mode, q, k, v, state, state_indices, query_start_loc, a, b, A_log,
                                 dt_bias, g, beta, scale, use_qk_l2norm, null_slot, out, records, snapshot_slots,
-                                lower_bound, check, static)
+                                lower_bound, check, static, pending)
         if static:
             return None
         be = backend_for(op, backend, state.device)
+        if pending is not None:          # the family's capability too
+            _registry.backend_for(op, kind, backend, state.device)
         return be.recurrence(mode, q, k, v, state, state_indices, query_start_loc, args.gates, args.scale,
-                             use_qk_l2norm, null_slot, out, records, snapshot_slots, bind=bind)
+                             use_qk_l2norm, null_slot, out, records, snapshot_slots,
+                             pending=None if pending is None else PendingInputs(*pending), bind=bind)
 
-    return op, impl
+    return impl
 
 
 def _plan_outputs(state_indices: torch.Tensor) -> tuple:
@@ -158,14 +189,14 @@ def _plan_commit(num_accepted, state_indices, query_start_loc, request_indices, 
 
 
 IMPLEMENTATIONS = {"conv_verify": _conv_verify, "conv_decode": _conv_decode, "plan_commit": _plan_commit,
-                   "commit": run_commit_op}
+                   "commit": run_commit_op, "defer": run_defer_op, "flush": run_flush_op}
 for _kind in ("gdn", "kda"):
-    for _mode in ("verify", "decode", "snapshot"):
-        _name, _impl = _recurrence(_kind, _mode)
-        IMPLEMENTATIONS[_name] = _impl
+    for _mode, _suffix in (("verify", "verify"), ("verify", "verify_pending"), ("decode", "decode"),
+                           ("snapshot", "spec_decode_snapshot")):
+        IMPLEMENTATIONS[f"{_kind}_{_suffix}"] = _recurrence(_kind, _mode, f"{_kind}_{_suffix}")
 
 #: How errors name an op (the commit is called through ``CommitContext.commit``).
-_SHOWN_AS = {"commit": "CommitContext.commit"}
+_SHOWN_AS = {"commit": "CommitContext.commit", "defer": "CommitContext.defer", "flush": "CommitContext.flush"}
 
 
 def _by_name(name: str, fn, schema: str, static: bool):

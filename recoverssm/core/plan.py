@@ -65,3 +65,21 @@ def plan_rows(num_accepted: list[int], state_indices: list[int], qsl: list[int],
     return plan
 
 
+
+
+def plan_entry(fields: list[list[int]], row: int, null_slot: int, num_slots: int,
+               max_len: int) -> tuple[int, int, int, int, int]:
+    """Row ``row`` of a deferred step's plan (one group's ``PLAN_FIELDS`` lists), as every backend
+    reads it, whatever the values: ``(commit_len, source, final, boundary, boundary_len)``;
+    nothing to commit (``commit_len = 0``) for a row that is not a row of the plan, a commit
+    length that is not positive, or a source or final that is not a slot; the length clamped to
+    ``max_len`` (the records' window), the boundary length to ``[0, commit_len]``, a boundary
+    that is not a slot (or has no length) none."""
+    if not (row > null_slot and 0 <= row < len(fields[0])):
+        return 0, null_slot, null_slot, null_slot, 0
+    n, source, final, boundary, boundary_len = (fields[i][row] for i in range(5))
+    if n <= 0 or not is_slot(source, null_slot, num_slots) or not is_slot(final, null_slot, num_slots):
+        return 0, source, final, null_slot, 0
+    n = min(n, max_len)
+    boundary_len = min(max(boundary_len, 0), n) if is_slot(boundary, null_slot, num_slots) else 0
+    return n, source, final, boundary if boundary_len > 0 else null_slot, boundary_len

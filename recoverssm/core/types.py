@@ -15,18 +15,24 @@ import torch
 class ReplayRecords:
     """Per-token replay records of one recurrent layer, written by verify, read by the commit.
 
-    ``correction``: fp32 ``[max_batch, HV, max_window, V]``, the correction ``c_t``.
-    ``key``: fp32 ``[max_batch, H, max_window, K]``, the normalized key ``k^_t`` (one per q/k head).
-    ``decay``: fp32 ``[max_batch, HV, max_window]`` (scalar decay, GDN / Mamba2) or
-    ``[max_batch, HV, max_window, K]`` (vector decay, KDA), the exact multiplier ``d_t``.
+    ``correction``: fp32 ``[buffers * max_batch, HV, max_window, V]``, the correction ``c_t``.
+    ``key``: fp32 ``[buffers * max_batch, H, max_window, K]``, the normalized key ``k^_t`` (one per
+    q/k head). ``decay``: fp32 ``[buffers * max_batch, HV, max_window]`` (scalar decay, GDN /
+    Mamba2) or ``[buffers * max_batch, HV, max_window, K]`` (vector decay, KDA), the exact
+    multiplier ``d_t``.
 
     Indexed by batch row ``r`` and window position ``t``. The records live in a workspace beside
     the state pool; they are overwritten by every verify and consumed by the commit that follows.
+    ``buffers = 2`` (deferred commits, :meth:`CommitContext.defer`): two workspaces of
+    ``max_batch`` rows each, buffer ``b`` at rows ``[b * max_batch, (b + 1) * max_batch)``; a
+    verify writes one while the other holds the records of the step still pending (the
+    context's ``Pending.parity`` says which).
     """
 
     correction: torch.Tensor
     key: torch.Tensor
     decay: torch.Tensor
+    buffers: int = 1
 
     @classmethod
     def allocate(
@@ -40,25 +46,31 @@ class ReplayRecords:
         *,
         device: torch.device | str | None = None,
         vector_decay: bool = False,
+        buffers: int = 1,
     ) -> "ReplayRecords":
-        """Allocate an fp32 records workspace for up to ``max_batch`` rows of ``max_window`` tokens."""
+        """Allocate an fp32 records workspace for up to ``max_batch`` rows of ``max_window`` tokens
+        (``buffers=2``: double-buffered, for a context that defers its commits)."""
         for name, val in (("max_batch", max_batch), ("max_window", max_window), ("H", H),
                           ("HV", HV), ("K", K), ("V", V)):
             if not isinstance(val, int) or val < 1:
                 raise ValueError(f"ReplayRecords.allocate: {name} must be a positive int, got {val!r}")
         if HV % H:
             raise ValueError(f"ReplayRecords.allocate: HV ({HV}) must be a multiple of H ({H})")
+        if buffers not in (1, 2):
+            raise ValueError(f"ReplayRecords.allocate: buffers must be 1 or 2, got {buffers!r}")
         kw = dict(dtype=torch.float32, device=device)
-        decay_shape = (max_batch, HV, max_window, K) if vector_decay else (max_batch, HV, max_window)
+        rows = buffers * max_batch
+        decay_shape = (rows, HV, max_window, K) if vector_decay else (rows, HV, max_window)
         return cls(
-            correction=torch.zeros(max_batch, HV, max_window, V, **kw),
-            key=torch.zeros(max_batch, H, max_window, K, **kw),
+            correction=torch.zeros(rows, HV, max_window, V, **kw),
+            key=torch.zeros(rows, H, max_window, K, **kw),
             decay=torch.zeros(decay_shape, **kw),
+            buffers=buffers,
         )
 
     @property
     def max_batch(self) -> int:
-        return self.correction.shape[0]
+        return self.correction.shape[0] // self.buffers
 
     @property
     def num_v_heads(self) -> int:
@@ -135,3 +147,49 @@ class CommitPlan:
 
     def as_dict(self) -> dict[str, list[int]]:
         return {k: getattr(self, k).tolist() for k in ("commit_len", "final_slot", "boundary_slot", "boundary_len")}
+
+
+#: The rows of a pending plan (``Pending.plan``), in order.
+PLAN_FIELDS = ("commit_len", "source_slot", "final_slot", "boundary_slot", "boundary_len", "replays")
+
+
+@dataclass
+class Pending:
+    """A step whose commit is deferred (:meth:`CommitContext.defer`), as the next step's verify
+    ops read it. Persistent: the context writes each new step into the same tensors.
+
+    ``plan``: int32 ``[G, 6, max_batch]``, per KV-cache group and row of the deferred step: its
+    commit plan (``commit_len``, ``source_slot``, ``final_slot``, ``boundary_slot``,
+    ``boundary_len``; a row with ``commit_len = 0`` has nothing pending) and ``replays``, how many
+    ops have replayed the row so far (the conv and the recurrence of every layer each do once;
+    checked where value checks run). ``parity``: int32 ``[1]``, the records buffer the next
+    verify writes (the other one holds the pending step's records).
+
+    A per-layer op takes the view of its layer's group: ``pending[g]`` (a context of one group
+    can pass its ``Pending`` as it is).
+    """
+
+    plan: torch.Tensor
+    parity: torch.Tensor
+
+    @property
+    def num_groups(self) -> int:
+        return self.plan.shape[0]
+
+    @property
+    def max_batch(self) -> int:
+        return self.plan.shape[2]
+
+    def __getitem__(self, group: int) -> "Pending":
+        if not 0 <= group < self.num_groups:
+            raise IndexError(f"Pending: group {group} out of range for {self.num_groups} groups")
+        if self.num_groups == 1:
+            return self
+        views = self.__dict__.setdefault("_groups", {})     # the same view every time (its layout repeats)
+        if group not in views:
+            views[group] = Pending(self.plan[group:group + 1], self.parity)
+        return views[group]
+
+    def as_dict(self, group: int = 0) -> dict[str, list[int]]:
+        """The plan of one group, by field (a host copy, for inspection)."""
+        return {name: row.tolist() for name, row in zip(PLAN_FIELDS, self.plan[group])}

@@ -9,10 +9,10 @@ from typing import Sequence
 import torch
 
 from ...core.backend import CommitLayer, Committer, GroupStep
-from ...core.plan import plan_rows
+from ...core.plan import plan_entry, plan_rows
 from ...core.writes import versions_kept
 from .conv import conv_compact
-from .recurrence import replay_step
+from .replay import RowCommit, replay_commits
 
 
 def plan_commit(num_accepted, state_indices, query_start_loc, request_indices, block_table,
@@ -27,33 +27,15 @@ def plan_commit(num_accepted, state_indices, query_start_loc, request_indices, b
         column.copy_(torch.tensor(values, dtype=torch.int32))
 
 
-def commit_layer(layer: CommitLayer, sources: list[int], plan: list[tuple[int, int, int, int]],
-                 null_slot: int) -> None:
-    """Replay each row's first ``commit_len`` records into its source state; store the boundary
-    state after ``boundary_len`` tokens and the final state after ``commit_len``."""
-    rows = [r for r, p in enumerate(plan) if p[0] > 0]
-    if not rows:
-        return
-    state = layer.state
-    H, HV = layer.key.shape[1], layer.correction.shape[1]
-    head_of = torch.arange(HV) // (HV // H)
-    S = state[[sources[r] for r in rows]].float()     # every source read before any store
-    for t in range(max(plan[r][0] for r in rows)):
-        live = [i for i, r in enumerate(rows) if plan[r][0] > t]
-        rr = [rows[i] for i in live]
-        S[live] = replay_step(S[live], layer.correction[rr, :, t], layer.key[rr][:, head_of, t],
-                              layer.decay[rr, :, t])
-        for i in live:
-            _, _, boundary, boundary_len = plan[rows[i]]
-            if boundary > null_slot and boundary_len == t + 1:
-                state[boundary] = S[i].to(state.dtype)
-    for i, r in enumerate(rows):
-        state[plan[r][1]] = S[i].to(state.dtype)
+def commit_layer(layer: CommitLayer, commits: Sequence[RowCommit], null_slot: int) -> None:
+    """The rows' commits into one layer: the state (``replay.replay_commits``), then the conv
+    history of each into its final and boundary slots."""
+    commits = [c for c in commits if c.n > 0]
+    replay_commits(layer.state, layer.correction, layer.key, layer.decay, commits, null_slot)
     if layer.conv_state is not None:
-        for r in rows:
-            n, final, boundary, boundary_len = plan[r]
-            conv_compact(layer.conv_state, layer.conv_history, sources[r], final, boundary, n,
-                         boundary_len, null_slot)
+        for c in commits:
+            conv_compact(layer.conv_state, layer.conv_history, c.source, c.final, c.boundary, c.n, c.boundary_len,
+                         null_slot)
 
 
 class RefCommitter(Committer):
@@ -63,21 +45,63 @@ class RefCommitter(Committer):
         self.layers = list(layers)
         self.null_slot = null_slot
 
+    def _written(self) -> list:
+        return [t for layer in self.layers for t in (layer.state, layer.conv_state)]
+
     def commit(self, num_accepted: torch.Tensor, query_start_loc: torch.Tensor,
                groups: Sequence[GroupStep], *, bind: bool = False) -> None:
-        with versions_kept([t for layer in self.layers for t in (layer.state, layer.conv_state)]):
-            self._commit(num_accepted, query_start_loc, groups)
+        qsl, accepted = query_start_loc.tolist(), num_accepted.tolist()
+        with versions_kept(self._written()):
+            for layer in self.layers:
+                step = groups[layer.group]
+                sources = step.state_indices.tolist()
+                plan = _step_plan(step, accepted, sources, qsl, self.null_slot, layer.state.shape[0],
+                                  layer.correction.shape[2])
+                commit_layer(layer, [RowCommit(r, n, sources[r], final, boundary, boundary_len)
+                                     for r, (n, final, boundary, boundary_len) in enumerate(plan)], self.null_slot)
 
-    def _commit(self, num_accepted: torch.Tensor, query_start_loc: torch.Tensor, groups: Sequence[GroupStep]) -> None:
-        qsl = query_start_loc.tolist()
-        accepted = num_accepted.tolist()
-        for layer in self.layers:
-            step = groups[layer.group]
+    def defer(self, plan: torch.Tensor, parity: torch.Tensor, num_accepted: torch.Tensor,
+              query_start_loc: torch.Tensor, groups: Sequence[GroupStep], *, bind: bool = False) -> None:
+        with versions_kept((plan, parity)):
+            self._defer(plan, parity, num_accepted, query_start_loc, groups)
+
+    def _defer(self, plan, parity, num_accepted, query_start_loc, groups: Sequence[GroupStep]) -> None:
+        qsl, accepted = query_start_loc.tolist(), num_accepted.tolist()
+        for g, step in enumerate(groups):
+            members = [layer for layer in self.layers if layer.group == g]
             sources = step.state_indices.tolist()
-            plan = plan_rows(
-                accepted, sources, qsl,
-                None if step.request_indices is None else step.request_indices.tolist(),
-                None if step.block_table is None else step.block_table.tolist(),
-                None if step.num_computed_tokens is None else step.num_computed_tokens.tolist(),
-                step.block_size or 1, self.null_slot, layer.state.shape[0], layer.correction.shape[2])
-            commit_layer(layer, sources, plan, self.null_slot)
+            rows = _step_plan(step, accepted, sources, qsl, self.null_slot, members[0].state.shape[0],
+                              members[0].correction.shape[2])
+            fields = torch.zeros(plan.shape[1:], dtype=torch.int32)
+            fields[1:4] = self.null_slot
+            for r, (n, final, boundary, boundary_len) in enumerate(rows):
+                fields[:5, r] = torch.tensor([n, sources[r], final, boundary, boundary_len], dtype=torch.int32)
+            plan[g].copy_(fields)
+        parity.copy_(1 - parity)
+
+    def flush(self, plan: torch.Tensor, parity: torch.Tensor, rows: torch.Tensor, *, bind: bool = False) -> None:
+        wanted = rows.tolist()
+        other = 1 - int(parity.item())
+        with versions_kept([*self._written(), plan]):
+            for layer in self.layers:
+                fields = plan[layer.group].tolist()
+                buffer_rows = layer.correction.shape[0] // layer.record_buffers
+                commits = []
+                for r in wanted:
+                    n, source, final, boundary, boundary_len = plan_entry(
+                        fields, r, self.null_slot, layer.state.shape[0], layer.correction.shape[2])
+                    if n > 0:
+                        commits.append(RowCommit(other * buffer_rows + r, n, source, final, boundary, boundary_len))
+                commit_layer(layer, commits, self.null_slot)
+            for r in wanted:                 # flushed: nothing pending any more
+                if r > self.null_slot and 0 <= r < plan.shape[2]:
+                    plan[:, 0, r] = 0
+
+
+def _step_plan(step: GroupStep, accepted: list, sources: list, qsl: list, null_slot: int, num_slots: int,
+               max_len: int) -> list:
+    return plan_rows(accepted, sources, qsl,
+                     None if step.request_indices is None else step.request_indices.tolist(),
+                     None if step.block_table is None else step.block_table.tolist(),
+                     None if step.num_computed_tokens is None else step.num_computed_tokens.tolist(),
+                     step.block_size or 1, null_slot, num_slots, max_len)

@@ -10,7 +10,10 @@ from typing import Optional
 
 import torch
 
+from ...core.backend import PendingInputs
 from ...core.indices import is_slot
+from ...core.plan import plan_entry
+from ...core.types import PLAN_FIELDS
 from .recurrence import row_bounds
 from .numerics import silu_rows
 
@@ -31,15 +34,29 @@ def conv_outputs(seq: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
 
 def conv_verify(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
                 bias: Optional[torch.Tensor], state_indices: torch.Tensor,
-                query_start_loc: torch.Tensor, silu: bool, null_slot: int, out: torch.Tensor) -> None:
-    """``x``, ``out``: ``[T_total, conv_dim]``; ``weight``: ``[conv_dim, width]``; ``bias``: ``[conv_dim]``."""
+                query_start_loc: torch.Tensor, silu: bool, null_slot: int, out: torch.Tensor,
+                pending: Optional[PendingInputs] = None) -> None:
+    """``x``, ``out``: ``[T_total, conv_dim]``; ``weight``: ``[conv_dim, width]``; ``bias``: ``[conv_dim]``.
+    ``pending``: a live row that continues a deferred row first compacts that row's history into
+    its final (and boundary) slot, as the commit would have, and works on the final slot."""
     history = weight.shape[1] - 1
     num_slots, _, cols = conv_state.shape
-    starts, spans, lengths = row_bounds(query_start_loc, x.shape[0], cols - history)
-    for slot, start, span, length in zip(state_indices.tolist(), starts, spans, lengths):
+    window_cols = cols - history
+    starts, spans, lengths = row_bounds(query_start_loc, x.shape[0], window_cols)
+    replays = pending is not None and pending.rows is not None
+    fields = pending.plan[0].tolist() if replays else None
+    prev_rows = pending.rows.tolist() if replays else None
+    for r, (slot, start, span, length) in enumerate(zip(state_indices.tolist(), starts, spans, lengths)):
         if not is_slot(slot, null_slot, num_slots):     # padding: zero output over the span
             out[start:start + span] = 0
             continue
+        if replays:
+            n, source, final, boundary, boundary_len = plan_entry(fields, prev_rows[r], null_slot, num_slots,
+                                                                  window_cols)
+            if n > 0:
+                conv_compact(conv_state, history, source, final, boundary, n, boundary_len, null_slot)
+                pending.plan[0, PLAN_FIELDS.index("replays"), prev_rows[r]] += 1
+                slot = final
         if length == 0:
             continue
         window = x[start:start + length]

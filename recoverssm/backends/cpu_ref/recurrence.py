@@ -16,17 +16,12 @@ from typing import Optional
 
 import torch
 
-from ...core.backend import GateInputs
+from ...core.backend import GateInputs, PendingInputs
 from ...core.indices import is_slot
+from ...core.plan import plan_entry
+from ...core.types import PLAN_FIELDS
 from .numerics import fma, gdn_gates, kda_gates, l2_normalize, precomputed_gates, tree_sum
-
-
-def decayed(S: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
-    """``S * d``, one rounding per element: ``d`` a scalar per head ``[R, HV]`` (GDN) or a
-    K-vector per head ``[R, HV, K]`` (KDA, scaling column ``j`` by ``d[..., j]``)."""
-    if decay.dim() == S.dim() - 2:
-        return S * decay[..., None, None]
-    return S * decay[..., None, :]
+from .replay import RowCommit, decayed, replay_commits
 
 
 def delta_step(S: torch.Tensor, k_hat: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
@@ -41,12 +36,6 @@ def delta_step(S: torch.Tensor, k_hat: torch.Tensor, v: torch.Tensor, beta: torc
     predicted = tree_sum(S_decayed * k_hat[:, :, None, :])
     correction = beta[..., None] * (v - predicted)
     return fma(correction[..., None], k_hat[:, :, None, :], S_decayed), correction
-
-
-def replay_step(S: torch.Tensor, correction: torch.Tensor, k_hat: torch.Tensor,
-                decay: torch.Tensor) -> torch.Tensor:
-    """The commit's step: ``S = fma(c, k^, S * d)`` with ``d`` a scalar ``[R, HV]`` or a K-vector ``[R, HV, K]``."""
-    return fma(correction[..., None], k_hat[:, :, None, :], decayed(S, decay))
 
 
 def row_bounds(query_start_loc: torch.Tensor, num_tokens: int,
@@ -77,15 +66,53 @@ def _token_inputs(q, k, gates: GateInputs, scale: float, use_qk_l2norm: bool):
     return q_hat, k_hat, decay, beta
 
 
+def replay_pending(state: torch.Tensor, records: tuple, pending: PendingInputs, slots: list, null_slot: int,
+                   max_len: int, read_base: int) -> dict[int, torch.Tensor]:
+    """Each live row that continues a deferred row (``pending.rows``) first commits it: its
+    records (buffer rows from ``read_base``) replayed into this layer, its boundary and final
+    states stored (``replay.replay_commits``), one replay counted in the plan. Returns per such
+    row its final state as the pool holds it (rounded to the pool's dtype), in fp32."""
+    num_slots = state.shape[0]
+    fields = pending.plan[0].tolist()
+    commits, replaying = [], []
+    for r, prev in enumerate(pending.rows.tolist()):
+        if not is_slot(slots[r], null_slot, num_slots):
+            continue
+        n, source, final, boundary, boundary_len = plan_entry(fields, prev, null_slot, num_slots, max_len)
+        if n > 0:
+            commits.append(RowCommit(read_base + prev, n, source, final, boundary, boundary_len))
+            replaying.append((r, prev))
+    finals = replay_commits(state, *records, commits, null_slot)
+    for r, prev in replaying:
+        pending.plan[0, PLAN_FIELDS.index("replays"), prev] += 1
+    return {r: finals[i].to(state.dtype).float() for i, (r, _) in enumerate(replaying)}
+
+
+def _pending_first(state, records, pending: Optional[PendingInputs], slots: list, null_slot: int,
+                   max_len: Optional[int]) -> tuple[int, dict]:
+    """``(the first records row this call writes, the rows' replayed states)``: with ``pending``
+    the records are double-buffered, this call writes buffer ``parity``, and continuing rows
+    replay their deferred commit from the other buffer first (:func:`replay_pending`)."""
+    if pending is None:
+        return 0, {}
+    buffer_rows = records[0].shape[0] // 2
+    parity = int(pending.parity.item())
+    if pending.rows is None:
+        return parity * buffer_rows, {}
+    return parity * buffer_rows, replay_pending(state, records, pending, slots, null_slot, max_len,
+                                                (1 - parity) * buffer_rows)
+
+
 def recurrence(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor,
                state_indices: torch.Tensor, query_start_loc: torch.Tensor, gates: GateInputs,
                scale: float, use_qk_l2norm: bool, null_slot: int, out: torch.Tensor,
                records: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-               snapshot_slots: Optional[torch.Tensor]) -> None:
+               snapshot_slots: Optional[torch.Tensor], pending: Optional[PendingInputs] = None) -> None:
     """See :meth:`recoverssm.core.backend.Backend.recurrence`.
 
     ``q``, ``k``: ``[T_total, H, K]``; ``v``, ``out``: ``[T_total, HV, V]``; ``state``:
-    ``[num_slots, HV, V, K]``; ``records`` = (correction, key, decay) fp32 workspaces.
+    ``[num_slots, HV, V, K]``; ``records`` = (correction, key, decay) fp32 workspaces (with
+    ``pending``: double-buffered, this call writing the buffer ``pending.parity``).
     """
     H, HV = q.shape[1], v.shape[1]
     group = HV // H
@@ -93,6 +120,7 @@ def recurrence(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sta
     starts, spans, lengths = row_bounds(query_start_loc, q.shape[0], max_len)
     num_slots = state.shape[0]
     slots = state_indices.tolist()
+    write_base, replayed = _pending_first(state, records, pending, slots, null_slot, max_len)
     rows = [r for r in range(len(slots)) if is_slot(slots[r], null_slot, num_slots) and lengths[r] > 0]
     for r in range(len(slots)):
         if not is_slot(slots[r], null_slot, num_slots):    # padding: zero output, nothing else
@@ -101,7 +129,7 @@ def recurrence(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sta
         return
     q_hat, k_hat, decay, beta = _token_inputs(q, k, gates, scale, use_qk_l2norm)
     head_of = torch.arange(HV) // group
-    S = state[[slots[r] for r in rows]].float()
+    S = torch.stack([replayed[r] if r in replayed else state[slots[r]].float() for r in rows])
     for t in range(max(lengths[r] for r in rows)):
         live = [i for i, r in enumerate(rows) if lengths[r] > t]
         tok = [starts[rows[i]] + t for i in live]
@@ -112,7 +140,7 @@ def recurrence(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sta
         out[tok] = o_t.to(out.dtype)
         if mode == "verify":
             correction, key, decay_rec = records
-            live_rows = [rows[i] for i in live]
+            live_rows = [write_base + rows[i] for i in live]
             correction[live_rows, :, t] = c_t
             key[live_rows, :, t] = k_t
             decay_rec[live_rows, :, t] = decay[tok]

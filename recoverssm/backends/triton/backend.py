@@ -66,11 +66,11 @@ class TritonBackend(Backend):
                 "plan_commit, commit": f"triton/commit.py ({where})"}
 
     def conv_verify(self, x, conv_state, weight, bias, state_indices, query_start_loc, silu,
-                    null_slot, out, *, bind=False) -> Optional[Launch]:
+                    null_slot, out, *, pending=None, bind=False) -> Optional[Launch]:
         from . import launch
         with self.device_guard(x.device):
             return self.launch_on(x.device, launch.conv_verify(self.table, x, conv_state, weight, bias, state_indices,
-                                                               query_start_loc, silu, null_slot, out, bind))
+                                                               query_start_loc, silu, null_slot, out, bind, pending))
 
     def conv_decode(self, x, conv_state, weight, bias, state_indices, silu, null_slot, out, *,
                     bind=False) -> Optional[Launch]:
@@ -80,12 +80,13 @@ class TritonBackend(Backend):
                                                                silu, null_slot, out, bind))
 
     def recurrence(self, mode, q, k, v, state, state_indices, query_start_loc, gates, scale,
-                   use_qk_l2norm, null_slot, out, records, snapshot_slots, *, bind=False) -> Optional[Launch]:
+                   use_qk_l2norm, null_slot, out, records, snapshot_slots, *, pending=None,
+                   bind=False) -> Optional[Launch]:
         from . import launch
         with self.device_guard(q.device):
             return self.launch_on(q.device, launch.recurrence(self.table, mode, q, k, v, state, state_indices,
                                                               query_start_loc, gates, scale, use_qk_l2norm,
-                                                              null_slot, out, records, snapshot_slots, bind))
+                                                              null_slot, out, records, snapshot_slots, bind, pending))
 
     def launch_on(self, device: torch.device, bound) -> Optional[Launch]:
         """A bound launch (``DirectLauncher``'s, or ``None``) as a :class:`Launch` that makes

@@ -22,19 +22,24 @@ from .numerics import is_slot, to_storage
 LAYER_STATE, LAYER_STATE_SLOT_STRIDE, LAYER_STATE_HEAD_STRIDE, LAYER_STATE_V_STRIDE, \
     LAYER_NUM_SLOTS, LAYER_CORRECTION, LAYER_KEY, LAYER_DECAY, LAYER_MAX_WINDOW, \
     LAYER_CONV, LAYER_CONV_SLOT_STRIDE, LAYER_CONV_DIM_STRIDE, LAYER_CONV_COL_STRIDE, \
-    LAYER_CONV_DIM, LAYER_CONV_HISTORY, LAYER_GROUP = map(tl.constexpr, range(16))
-LAYER_FIELDS = tl.constexpr(16)
+    LAYER_CONV_DIM, LAYER_CONV_HISTORY, LAYER_GROUP, LAYER_RECORD_ROWS = map(tl.constexpr, range(17))
+LAYER_FIELDS = tl.constexpr(17)
 LAYER_POINTER_COLUMNS = tuple(c.value for c in (LAYER_STATE, LAYER_CORRECTION, LAYER_KEY, LAYER_DECAY, LAYER_CONV))
 
 # Columns of the per-group table (int64); a zero pointer means "not given".
 GROUP_STATE_INDICES, GROUP_REQUEST_INDICES, GROUP_BLOCK_TABLE, GROUP_BLOCK_TABLE_STRIDE, \
-    GROUP_BLOCK_TABLE_WIDTH, GROUP_NUM_COMPUTED, GROUP_BLOCK_SIZE = map(tl.constexpr, range(7))
-GROUP_FIELDS = tl.constexpr(7)
+    GROUP_BLOCK_TABLE_WIDTH, GROUP_NUM_COMPUTED, GROUP_BLOCK_SIZE, GROUP_NUM_SLOTS, \
+    GROUP_MAX_WINDOW = map(tl.constexpr, range(9))
+GROUP_FIELDS = tl.constexpr(9)
 GROUP_POINTER_COLUMNS = tuple(c.value for c in (GROUP_STATE_INDICES, GROUP_REQUEST_INDICES,
                                                 GROUP_BLOCK_TABLE, GROUP_NUM_COMPUTED))
 
 # Window positions whose replay records a commit program hints into L2 up front (PREFETCH_RECORDS).
 PREFETCH_RECORD_TOKENS = tl.constexpr(8)
+
+# The rows of a deferred step's plan (core.types.PLAN_FIELDS), ``[G, PLAN_FIELDS, plan_rows]`` int32.
+PLAN_COMMIT_LEN, PLAN_SOURCE, PLAN_FINAL, PLAN_BOUNDARY, PLAN_BOUNDARY_LEN, PLAN_REPLAYS = map(tl.constexpr, range(6))
+PLAN_FIELDS = tl.constexpr(6)
 
 
 @triton.jit
@@ -85,6 +90,27 @@ def plan_row(row, in_batch, num_accepted_ptr, qsl_ptr, state_indices_ptr, reques
     boundary = tl.where(has_boundary, candidate, null_slot)
     boundary_len = tl.where(has_boundary, next_boundary - computed, 0).to(tl.int32)
     return commit_len, src, final, boundary, boundary_len
+
+
+@triton.jit
+def plan_entry(plan_ptr, plan_rows, prev, ok, null_slot, num_slots, max_len):
+    """Row ``prev`` of a deferred step's plan (one group's ``[PLAN_FIELDS, plan_rows]``), where
+    ``ok``: ``(commit_len, source, final, boundary, boundary_len)`` under the index rule, whatever
+    the values: nothing to commit (``commit_len = 0``) where the commit length is not positive or
+    the source or final is not a slot; the length clamped to ``max_len``, the boundary length to
+    ``[0, commit_len]``; a boundary that is not a slot is none."""
+    entry = plan_ptr + tl.where(ok, prev, 0).to(tl.int64)
+    n = tl.load(entry + PLAN_COMMIT_LEN * plan_rows, mask=ok, other=0)
+    source = tl.load(entry + PLAN_SOURCE * plan_rows, mask=ok, other=null_slot)
+    final = tl.load(entry + PLAN_FINAL * plan_rows, mask=ok, other=null_slot)
+    boundary = tl.load(entry + PLAN_BOUNDARY * plan_rows, mask=ok, other=null_slot)
+    boundary_len = tl.load(entry + PLAN_BOUNDARY_LEN * plan_rows, mask=ok, other=0)
+    ok = ok & (n > 0) & is_slot(source, null_slot, num_slots) & is_slot(final, null_slot, num_slots)
+    n = tl.where(ok, tl.minimum(n, max_len), 0)
+    boundary_len = tl.where(ok & is_slot(boundary, null_slot, num_slots), tl.minimum(tl.maximum(boundary_len, 0), n),
+                            0)
+    boundary = tl.where(boundary_len > 0, boundary, null_slot)
+    return n, source, final, boundary, boundary_len
 
 
 @triton.jit
@@ -213,7 +239,8 @@ def tile_offsets(tile_index, head_stride, v_stride, K: tl.constexpr, V: tl.const
 @triton.jit
 def record_rows(corr, key, decay, row, tile_index, max_window, H: tl.constexpr, HV: tl.constexpr,
                 K: tl.constexpr, V: tl.constexpr, V_TILES: tl.constexpr, VECTOR_DECAY: tl.constexpr):
-    """Pointers to the replay records of ``row`` that state tile ``tile_index`` reads: its value
+    """Pointers to the replay records of records row ``row`` (the batch row, plus the buffer's
+    first row where records are double-buffered) that state tile ``tile_index`` reads: its value
     head's corrections (``[max_window, V]``), its q/k head's keys (``[max_window, K]``) and its
     value head's decays (``[max_window]``, or ``[max_window, K]`` for KDA)."""
     hv = tile_index // V_TILES
@@ -277,8 +304,8 @@ def commit_state_tile(state, slot_stride, offsets, mask, corr, key, decay,
                       INTERPRETED: tl.constexpr):
     """One ``[BV, K_PAD]`` state tile of one row and layer (``offsets``, ``mask``: from
     ``tile_offsets``), already read from the source slot (``source_tile``, storage dtype): replay
-    the accepted records (``corr``, ``key``, ``decay``: the layer's record pointers), store the
-    boundary and final states."""
+    the accepted records (``corr``, ``key``, ``decay``: the layer's record pointers; ``row``: the
+    records' row), store the boundary and final states."""
     offs_v = tile_rows(tile_index, BV, V_TILES)
     mask_v = offs_v < V
     offs_k = tl.arange(0, K_PAD)
@@ -298,16 +325,51 @@ def commit_state_tile(state, slot_stride, offsets, mask, corr, key, decay,
 
 
 @triton.jit
+def step_plan(lt, group, row, group_table_ptr, num_accepted_ptr, qsl_ptr, plan_ptr, parity_ptr, flush_rows_ptr,
+              num_requests, null_slot, plan_rows, num_slots, max_window, FLUSH: tl.constexpr):
+    """Grid row ``row``'s ``(row, records row, commit_len, source, final, boundary, boundary_len)``
+    for layer table row ``lt`` of KV-cache group ``group``: from the step's index tensors
+    (``plan_row``), or with ``FLUSH`` the deferred plan of the row ``flush_rows`` lists at ``row``,
+    whose records are in the buffer ``1 - parity``."""
+    if FLUSH:
+        row = tl.load(flush_rows_ptr + row)
+        in_plan = (row > null_slot) & (row >= 0) & (row < plan_rows)
+        n, src, final, boundary, boundary_len = plan_entry(
+            plan_ptr + group * PLAN_FIELDS * plan_rows, plan_rows, row, in_plan, null_slot, num_slots, max_window)
+        record_row = (1 - tl.load(parity_ptr)).to(tl.int64) * tl.load(lt + LAYER_RECORD_ROWS) + row
+    else:
+        gt = group_table_ptr + group * GROUP_FIELDS
+        request_indices = tl.load(gt + GROUP_REQUEST_INDICES)
+        block_table = tl.load(gt + GROUP_BLOCK_TABLE)
+        n, src, final, boundary, boundary_len = plan_row(
+            row, row >= 0, num_accepted_ptr, qsl_ptr,
+            tl.load(gt + GROUP_STATE_INDICES).to(tl.pointer_type(tl.int32)),
+            request_indices.to(tl.pointer_type(tl.int32)),
+            block_table.to(tl.pointer_type(tl.int32)),
+            tl.load(gt + GROUP_NUM_COMPUTED).to(tl.pointer_type(tl.int32)),
+            request_indices, block_table,
+            tl.load(gt + GROUP_BLOCK_TABLE_STRIDE), tl.load(gt + GROUP_BLOCK_TABLE_WIDTH).to(tl.int32),
+            tl.load(gt + GROUP_BLOCK_SIZE).to(tl.int32),
+            num_requests, null_slot, num_slots, max_window)
+        record_row = row.to(tl.int64)
+    return row, record_row, n, src, final, boundary, boundary_len
+
+
+@triton.jit
 def grouped_commit_kernel(
-    layer_table_ptr, group_table_ptr, num_accepted_ptr, qsl_ptr,
-    num_requests, null_slot,
+    layer_table_ptr, group_table_ptr, num_accepted_ptr, qsl_ptr, plan_ptr, parity_ptr, flush_rows_ptr,
+    num_requests, null_slot, plan_rows,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     K_PAD: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, CONV_COLS: tl.constexpr,
     STATE_DTYPE: tl.constexpr, CONV_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
     TILES_PER_PROGRAM: tl.constexpr,
     PREFETCH_RECORDS: tl.constexpr, PREFETCH_NEXT_TILE: tl.constexpr, REPLAY_PAIRS: tl.constexpr,
-    VECTOR_DECAY: tl.constexpr, INTERPRETED: tl.constexpr,
+    VECTOR_DECAY: tl.constexpr, FLUSH: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
+    """One step's commit (the plan of each row from the step's index tensors), or with ``FLUSH``
+    the pending step of a deferred context for the rows ``flush_rows`` lists (each row's plan
+    read from ``plan``, its records from the buffer ``1 - parity``; ``plan_ptr``, ``parity_ptr``
+    and ``flush_rows_ptr`` are unused otherwise)."""
     item = tl.program_id(0)
     row = tl.program_id(1)
     layer = tl.program_id(2)
@@ -315,21 +377,11 @@ def grouped_commit_kernel(
 
     lt = layer_table_ptr + layer * LAYER_FIELDS
     group = tl.load(lt + LAYER_GROUP)
-    gt = group_table_ptr + group * GROUP_FIELDS
-    request_indices = tl.load(gt + GROUP_REQUEST_INDICES)
-    block_table = tl.load(gt + GROUP_BLOCK_TABLE)
     max_window = tl.load(lt + LAYER_MAX_WINDOW).to(tl.int32)
     num_slots = tl.load(lt + LAYER_NUM_SLOTS).to(tl.int32)
-    n, src, final, boundary, boundary_len = plan_row(
-        row, row >= 0, num_accepted_ptr, qsl_ptr,
-        tl.load(gt + GROUP_STATE_INDICES).to(tl.pointer_type(tl.int32)),
-        request_indices.to(tl.pointer_type(tl.int32)),
-        block_table.to(tl.pointer_type(tl.int32)),
-        tl.load(gt + GROUP_NUM_COMPUTED).to(tl.pointer_type(tl.int32)),
-        request_indices, block_table,
-        tl.load(gt + GROUP_BLOCK_TABLE_STRIDE), tl.load(gt + GROUP_BLOCK_TABLE_WIDTH).to(tl.int32),
-        tl.load(gt + GROUP_BLOCK_SIZE).to(tl.int32),
-        num_requests, null_slot, num_slots, max_window)
+    row, record_row, n, src, final, boundary, boundary_len = step_plan(
+        lt, group, row, group_table_ptr, num_accepted_ptr, qsl_ptr, plan_ptr, parity_ptr, flush_rows_ptr,
+        num_requests, null_slot, plan_rows, num_slots, max_window, FLUSH)
 
     TILES: tl.constexpr = HV * V_TILES
     TILE_ITEMS: tl.constexpr = (TILES + TILES_PER_PROGRAM - 1) // TILES_PER_PROGRAM
@@ -344,7 +396,7 @@ def grouped_commit_kernel(
             if PREFETCH_RECORDS:
                 for j in tl.static_range(TILES_PER_PROGRAM):
                     if first_tile + j < TILES:
-                        corr_row, key_row, decay_row = record_rows(corr, key, decay, row, first_tile + j,
+                        corr_row, key_row, decay_row = record_rows(corr, key, decay, record_row, first_tile + j,
                                                                    max_window, H, HV, K, V, V_TILES, VECTOR_DECAY)
                         prefetch_records(corr_row, key_row, decay_row, n, first_tile + j, K, V, K_PAD, BV,
                                          V_TILES, PREFETCH_RECORD_TOKENS, VECTOR_DECAY)
@@ -361,7 +413,7 @@ def grouped_commit_kernel(
                                             V_TILES, STATE_DTYPE)
                 if tile_index < TILES:
                     commit_state_tile(state, slot_stride, offsets, mask, corr, key, decay,
-                                      row, tile_index, tile, n, final, boundary, boundary_len, max_window,
+                                      record_row, tile_index, tile, n, final, boundary, boundary_len, max_window,
                                       null_slot, H, HV, K, V, K_PAD, BV, V_TILES, STATE_DTYPE, REPLAY_PAIRS,
                                       VECTOR_DECAY, INTERPRETED)
         else:

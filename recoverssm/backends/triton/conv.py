@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from .numerics import is_slot, row_window, to_storage
+from .pending import count_replay, pending_commit
 
 
 @triton.jit
@@ -39,13 +40,39 @@ def activate(acc, SILU: tl.constexpr):
 
 
 @triton.jit
+def compact_pending(conv_ptr, stride_c_slot, stride_c_dim, stride_c_col, offs_d, mask_d, source, final, boundary, n,
+                    boundary_len, null_slot, HISTORY: tl.constexpr):
+    """A pending step's conv compaction for this program's channels, as the commit does it:
+    ``final[:, :history] = source[:, n : n + history]`` and ``boundary[:, :history] =
+    source[:, boundary_len : boundary_len + history]``, every source column read before any
+    store (the destinations may be the source slot)."""
+    COLS: tl.constexpr = triton.next_power_of_2(HISTORY) if HISTORY > 0 else 1
+    cols = tl.arange(0, COLS)[None, :]
+    chan = offs_d[:, None] * stride_c_dim
+    keep = mask_d[:, None] & (cols < HISTORY)
+    source_row = conv_ptr + source.to(tl.int64) * stride_c_slot + chan
+    final_cols = tl.load(source_row + (cols + n) * stride_c_col, mask=keep, other=0.0)
+    boundary_cols = tl.load(source_row + (cols + boundary_len) * stride_c_col,
+                            mask=tl.where(boundary > null_slot, keep, False), other=0.0)
+    tl.debug_barrier()
+    if boundary > null_slot:
+        tl.store(conv_ptr + boundary.to(tl.int64) * stride_c_slot + chan + cols * stride_c_col, boundary_cols,
+                 mask=keep)
+    tl.store(conv_ptr + final.to(tl.int64) * stride_c_slot + chan + cols * stride_c_col, final_cols, mask=keep)
+    tl.debug_barrier()       # the window below reads the final slot's history back
+
+
+@triton.jit
 def conv_verify_kernel(
-    x_ptr, conv_ptr, w_ptr, bias_ptr, out_ptr, state_indices_ptr, qsl_ptr,
+    x_ptr, conv_ptr, w_ptr, bias_ptr, out_ptr, state_indices_ptr, qsl_ptr, pending_rows_ptr, plan_ptr,
     stride_x_t, stride_c_slot, stride_c_dim, stride_c_col, stride_w_d, stride_w_j, stride_o_t,
-    dim, num_tokens, num_slots, null_slot, max_window,
+    dim, num_tokens, num_slots, null_slot, max_window, plan_rows, has_pending,
     WIDTH: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
+    """A window per row. Where ``has_pending``, a row that continues a deferred step
+    (``pending_rows``) first compacts its history into the step's final (and boundary) slot
+    (``compact_pending``), and its window goes to the final slot."""
     HISTORY: tl.constexpr = WIDTH - 1
     i_d = tl.program_id(0)
     row = tl.program_id(1)
@@ -54,6 +81,15 @@ def conv_verify_kernel(
     start, span, length = row_window(qsl_ptr, row, num_tokens, max_window)
     slot = tl.load(state_indices_ptr + row)
     if is_slot(slot, null_slot, num_slots):
+        if has_pending:
+            prev, n, source, final, boundary, boundary_len = pending_commit(
+                pending_rows_ptr, plan_ptr, plan_rows, row, True, null_slot, num_slots, max_window)
+            if n > 0:
+                compact_pending(conv_ptr, stride_c_slot, stride_c_dim, stride_c_col, offs_d, mask_d, source, final,
+                                boundary, n, boundary_len, null_slot, HISTORY)
+                slot = final
+                if i_d == 0:
+                    count_replay(plan_ptr, plan_rows, prev)
         conv_row = conv_ptr + slot.to(tl.int64) * stride_c_slot + offs_d * stride_c_dim
         for p in range(0, length):
             acc = conv_start(bias_ptr, offs_d, mask_d, HAS_BIAS, BD)

@@ -15,13 +15,14 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 import triton
 
-from ...core.backend import CommitLayer, Committer, GateInputs, GroupStep
+from ...core.backend import CommitLayer, Committer, GateInputs, GroupStep, PendingInputs
 from ...core.pointers import PointerEncoding
 from . import commit as commit_kernels
 from .commit import grouped_commit_kernel, plan_commit_kernel
 from .config import CommitSpec, LaunchTable, RecurrenceSpec, interpreting
 from .conv import conv_decode_kernel, conv_verify_kernel
 from .direct_launch import Bound, DirectLauncher
+from .pending import clear_rows_kernel, defer_kernel
 from .recurrence import MODE_DECODE, MODE_SNAPSHOT, MODE_VERIFY, recurrence_kernel
 
 MODES = {"verify": MODE_VERIFY.value, "decode": MODE_DECODE.value, "snapshot": MODE_SNAPSHOT.value}
@@ -32,6 +33,8 @@ _RECURRENCE = DirectLauncher(recurrence_kernel)
 _GROUPED_COMMIT = DirectLauncher(grouped_commit_kernel)
 _CONV_VERIFY = DirectLauncher(conv_verify_kernel)
 _CONV_DECODE = DirectLauncher(conv_decode_kernel)
+_DEFER = DirectLauncher(defer_kernel)
+_CLEAR_ROWS = DirectLauncher(clear_rows_kernel)
 INT32_MAX = 2**31 - 1
 #: CUDA's limit on a grid's second and third axes: the batch rows (and commit layers) of one launch.
 MAX_GRID_YZ = 65535
@@ -63,15 +66,18 @@ def _conv_constexprs(table: LaunchTable, width: int, bias, silu) -> tuple[dict, 
 
 
 def conv_verify(table: LaunchTable, x, conv_state, weight, bias, state_indices, query_start_loc,
-                silu, null_slot, out, bind: bool = False) -> Optional[Bound]:
+                silu, null_slot, out, bind: bool = False, pending: Optional[PendingInputs] = None) -> Optional[Bound]:
     dim, width = x.shape[1], weight.shape[1]
     B = state_indices.shape[0]
-    if B == 0 or x.shape[0] == 0:
+    replays = pending is not None and pending.rows is not None
+    if B == 0 or (x.shape[0] == 0 and not replays):
         return None
     tensors, strides = _conv_args(x, conv_state, weight, bias, out)
     grid = (triton.cdiv(dim, table.conv.block), _grid_axis("conv_verify: state_indices", B))
-    args = (*tensors, state_indices, query_start_loc, *strides,
-            dim, x.shape[0], conv_state.shape[0], null_slot, conv_state.shape[2] - (width - 1))
+    rows, plan = (pending.rows, pending.plan) if replays else (state_indices, state_indices)   # unused otherwise
+    args = (*tensors, state_indices, query_start_loc, rows, plan, *strides,
+            dim, x.shape[0], conv_state.shape[0], null_slot, conv_state.shape[2] - (width - 1),
+            plan.shape[-1] if replays else 0, int(replays))
     return _CONV_VERIFY(grid, args, *_conv_constexprs(table, width, bias, silu), bind=bind)
 
 
@@ -192,13 +198,15 @@ def _specialize_recurrence(table: LaunchTable, state_dtype: torch.dtype, H: int,
 
 def recurrence(table: LaunchTable, mode: str, q, k, v, state, state_indices, query_start_loc,
                gates: GateInputs, scale: float, use_qk_l2norm: bool, null_slot: int, out,
-               records, snapshot_slots, bind: bool = False) -> Optional[Bound]:
+               records, snapshot_slots, bind: bool = False, pending: Optional[PendingInputs] = None) -> Optional[Bound]:
     """Launch the recurrence; with ``bind``, return the launch bound to the caller's tensors'
     addresses (``None`` where it launched on packed copies of misaligned tensors, or did not
-    launch)."""
+    launch). ``pending``: a verify that replays a deferred step first (its records are then
+    double-buffered)."""
     packed = _aligned_token_inputs(q, k, v, out)
     launch = _launch_recurrence(table, mode, *packed[:3], state, state_indices, query_start_loc, gates, scale,
-                                use_qk_l2norm, null_slot, packed[3], records, snapshot_slots, packed[4], bind)
+                                use_qk_l2norm, null_slot, packed[3], records, snapshot_slots, packed[4], bind,
+                                pending)
     if packed[3] is not out:
         out.copy_(packed[3])
     return launch if all(x is y for x, y in zip(packed, (q, k, v, out))) else None
@@ -206,17 +214,25 @@ def recurrence(table: LaunchTable, mode: str, q, k, v, state, state_indices, que
 
 def _launch_recurrence(table: LaunchTable, mode: str, q, k, v, state, state_indices, query_start_loc,
                        gates: GateInputs, scale: float, use_qk_l2norm: bool, null_slot: int, out,
-                       records, snapshot_slots, aligned: bool, bind: bool = False) -> Optional[Bound]:
+                       records, snapshot_slots, aligned: bool, bind: bool = False,
+                       pending: Optional[PendingInputs] = None) -> Optional[Bound]:
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     B = state_indices.shape[0]
-    if B == 0 or T == 0:
+    if B == 0 or (T == 0 and (pending is None or pending.rows is None)):
         return None
     tile, constexprs, options = recurrence_specialization(table, state.dtype, H, HV, K, V, state.stride(2), gates,
                                                           use_qk_l2norm, aligned, HV * B)
+    plan_rows = record_rows = has_pending = 0
+    plan = parity = rows = state_indices                # unused without a pending step
     if mode == "verify":
         corr, key, decay = records
         max_window = corr.shape[2]
+        if pending is not None:
+            plan, parity = pending.plan, pending.parity
+            plan_rows, record_rows = plan.shape[2], corr.shape[0] // 2
+            if pending.rows is not None:
+                rows, has_pending = pending.rows, 1
     else:
         corr = key = decay = out           # unused by these modes; any valid pointer will do
         max_window = snapshot_slots.shape[1] if mode == "snapshot" else INT32_MAX
@@ -228,11 +244,12 @@ def _launch_recurrence(table: LaunchTable, mode: str, q, k, v, state, state_indi
     lower_bound = gates.lower_bound if gates.lower_bound is not None else 0.0
     grid = (triton.cdiv(V, tile.block_v), HV, _grid_axis(f"{mode}: state_indices", B))
     args = (q, k, v, a, b, A_log, dt_bias, out, state, state_indices, query_start_loc,
-            corr, key, decay, snap,
+            corr, key, decay, snap, rows, plan, parity,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             a.stride(0), a.stride(1), b.stride(0), out.stride(0), out.stride(1),
             state.stride(0), state.stride(1), snap.stride(0),
-            T, state.shape[0], null_slot, max_window, scale, lower_bound, MODES[mode])
+            T, state.shape[0], null_slot, max_window, scale, lower_bound, MODES[mode], plan_rows, record_rows,
+            has_pending)
     return _RECURRENCE(grid, args, constexprs, options, bind=bind)
 
 
@@ -306,7 +323,8 @@ class _Launch:
                 cs.data_ptr() if cs is not None else 0,
                 cs.stride(0) if cs is not None else 0, cs.stride(1) if cs is not None else 0,
                 cs.stride(2) if cs is not None else 0, cs.shape[1] if cs is not None else 0,
-                layer.conv_history, layer.group])
+                layer.conv_history, layer.group,
+                layer.correction.shape[0] // 2 if layer.record_buffers == 2 else 0])
         self.layer_table, self.host_table = committer.upload(rows, commit_kernels.LAYER_FIELDS.value,
                                                              commit_kernels.LAYER_POINTER_COLUMNS)
         table = committer.table
@@ -370,8 +388,9 @@ class TritonCommitter(Committer):
 
     def _group_table_for(self, groups: Sequence[GroupStep]) -> torch.Tensor:
         rows = []
-        for g in groups:
+        for i, g in enumerate(groups):
             bt = g.block_table
+            first = next(layer for layer in self._keepalive if layer.group == i)   # a deferring group's own
             rows.append([
                 g.state_indices.data_ptr(),
                 g.request_indices.data_ptr() if g.request_indices is not None else 0,
@@ -379,7 +398,8 @@ class TritonCommitter(Committer):
                 bt.stride(0) if bt is not None else 0,
                 bt.shape[1] if bt is not None else 1,
                 g.num_computed_tokens.data_ptr() if bt is not None else 0,
-                g.block_size if bt is not None else 1])
+                g.block_size if bt is not None else 1,
+                first.state.shape[0], first.correction.shape[2]])
         key = tuple(map(tuple, rows))
         if key != self._group_key:
             self._group_table, self._group_host = self.upload(rows, commit_kernels.GROUP_FIELDS.value,
@@ -402,15 +422,49 @@ class TritonCommitter(Committer):
     def _launch_args(self, num_accepted, query_start_loc, groups: Sequence[GroupStep], B: int) -> list[tuple]:
         """``(grid, runtime arguments, constexprs, options)`` of each launch of one step."""
         group_table = self._group_table_for(groups)
+        unused = num_accepted        # the plan, parity and rows a flush reads
         return [((launch.items, B, len(launch.layers)),
-                 (launch.layer_table, group_table, num_accepted, query_start_loc, num_accepted.shape[0],
-                  self.null_slot),
+                 (launch.layer_table, group_table, num_accepted, query_start_loc, unused, unused, unused,
+                  num_accepted.shape[0], self.null_slot, 0),
                  launch.constexprs, launch.options) for launch in self.launches]
+
+    def defer(self, plan, parity, num_accepted, query_start_loc, groups: Sequence[GroupStep], *, bind: bool = False):
+        B, G, plan_rows = groups[0].state_indices.shape[0], plan.shape[0], plan.shape[2]
+        with self.device_guard(self.device):
+            group_table = self._group_table_for(groups)
+            block = self.table.plan_block
+            bound = _DEFER((triton.cdiv(plan_rows, block), G),
+                           (group_table, num_accepted, query_start_loc, plan, parity, B, plan_rows,
+                            num_accepted.shape[0], self.null_slot),
+                           dict(BLOCK=block), self.table.options(4), bind=bind)
+        if not bind or bound is None:
+            return None
+        return self.launch_on(self.device, _BoundStep([bound], (self._group_table, self._group_host)))
+
+    def flush(self, plan, parity, rows, *, bind: bool = False):
+        R = rows.shape[0]
+        if R == 0:
+            return None
+        _grid_axis("CommitContext.flush: rows", R)
+        with self.device_guard(self.device):
+            launches = [((launch.items, R, len(launch.layers)),
+                         (launch.layer_table, launch.layer_table, rows, rows, plan, parity, rows, 0, self.null_slot,
+                          plan.shape[2]),
+                         {**launch.constexprs, "FLUSH": True}, launch.options) for launch in self.launches]
+            bound = [_GROUPED_COMMIT(*args, bind=bind) for args in launches]
+            block = self.table.plan_block
+            bound.append(_CLEAR_ROWS((triton.cdiv(R, block),), (plan, rows, R, plan.shape[2], plan.shape[0],
+                                                                 self.null_slot),
+                                     dict(BLOCK=block), self.table.options(4), bind=bind))
+        if not bind or not all(bound):
+            return None
+        return self.launch_on(self.device, _BoundStep(bound, ()))
 
 
 class _BoundStep:
-    """A commit step's launches bound to its tensors' addresses. It holds the group table they
-    point at (and its pinned host copy), whatever table later steps upload."""
+    """A commit step's launches (a commit, a defer or a flush) bound to its tensors' addresses.
+    It holds the group table they point at (and its pinned host copy), whatever table later
+    steps upload."""
 
     __slots__ = ("launches", "tables")
 
@@ -422,7 +476,7 @@ class _BoundStep:
             return False
         for launch in self.launches[1:]:     # the same launcher as the first: it launches these too
             if not launch():
-                raise RuntimeError("CommitContext.commit: a bound commit step launched only part of its launches")
+                raise RuntimeError("CommitContext: a bound step launched only part of its launches")
         return True
 
 
@@ -441,7 +495,7 @@ def commit_specialization(spec: CommitSpec, table: LaunchTable, state_dtype: str
                       # The hints are PTX, which Triton's interpreter cannot run.
                       PREFETCH_RECORDS=spec.prefetch_records and not interpreted,
                       PREFETCH_NEXT_TILE=spec.prefetch_next_tile and tiles_per_program > 1 and not interpreted,
-                      REPLAY_PAIRS=spec.replay_pairs, VECTOR_DECAY=vector_decay, INTERPRETED=interpreted)
+                      REPLAY_PAIRS=spec.replay_pairs, VECTOR_DECAY=vector_decay, FLUSH=False, INTERPRETED=interpreted)
     return triton.cdiv(tiles, tiles_per_program), constexprs, table.options(spec.warps, spec.max_registers)
 
 

@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from .numerics import is_slot, row_window, to_fp32, to_storage
+from .pending import count_replay, verify_rows
 
 MODE_VERIFY = tl.constexpr(0)
 MODE_DECODE = tl.constexpr(1)
@@ -263,6 +264,72 @@ def store_records(corr_ptr, key_ptr, decay_ptr, row64, i_v, hv, h, t, max_window
             tl.store(key_ptr + key_rec * K + offs_k, k_hat, mask=mask_k & writer)
 
 
+@triton.jit
+def gate_constants(A_log_ptr, dt_bias_ptr, hv, offs_g, mask_g, K: tl.constexpr, EXACT_K: tl.constexpr,
+                   GATES_PRECOMPUTED: tl.constexpr, VECTOR_DECAY: tl.constexpr, LOWER_BOUND: tl.constexpr):
+    """The value head's constants of the raw gates: ``(gate_scale, dt_bias)`` (``prepare_token``)."""
+    if GATES_PRECOMPUTED:
+        gate_scale = 0.0
+        dt_bias = 0.0
+    else:
+        gate_scale = tl.exp(tl.load(A_log_ptr + hv))
+        if not LOWER_BOUND:
+            gate_scale = -gate_scale
+        if VECTOR_DECAY:
+            dt_bias = load_masked(dt_bias_ptr + hv * K + offs_g, mask_g, EXACT_K)
+        else:
+            dt_bias = tl.load(dt_bias_ptr + hv)
+    return gate_scale, dt_bias
+
+
+@triton.jit
+def replay_records(S, corr_row, key_row, decay_row, first, last, offs_v, mask_v, offs_k, mask_k, offs_g, mask_g,
+                   K: tl.constexpr, V: tl.constexpr, ROW_LANES: tl.constexpr, K_INNER: tl.constexpr,
+                   K_CHUNKS: tl.constexpr, EXACT_K: tl.constexpr, EXACT_V: tl.constexpr, VECTOR_DECAY: tl.constexpr):
+    """``S = fma(c_t, k^_t, S * d_t)`` for window positions ``first <= t < last``: the commit's
+    step, elementwise, so the tile's layout changes no bit."""
+    for t in range(first, last):
+        correction = load_masked(corr_row + t * V + offs_v, mask_v, EXACT_V)
+        k_hat = load_masked(key_row + t * K + offs_k, mask_k, EXACT_K)
+        if VECTOR_DECAY:
+            decay = tile_vector(load_masked(decay_row + t * K + offs_g, mask_g, EXACT_K), ROW_LANES, K_INNER, K_CHUNKS)
+        else:
+            decay = tl.load(decay_row + t)
+        S = tl.fma(correction[:, :, None, None], k_hat, S * decay)
+    return S
+
+
+@triton.jit
+def replay_pending(S, corr_ptr, key_ptr, decay_ptr, rec_row, hv, h, max_window, n, boundary, boundary_len, final,
+                   state_ptr, stride_s_slot, stride_s_h, tile, mask_tile, offs_v, mask_v, offs_k, mask_k, offs_g,
+                   mask_g, null_slot, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   ROW_LANES: tl.constexpr, K_INNER: tl.constexpr, K_CHUNKS: tl.constexpr, EXACT: tl.constexpr,
+                   EXACT_K: tl.constexpr, EXACT_V: tl.constexpr, VECTOR_DECAY: tl.constexpr,
+                   INTERPRETED: tl.constexpr):
+    """What the commit of a deferred row does to this program's tile, in registers: replay its
+    ``n`` records (records row ``rec_row``), store the boundary state after ``boundary_len``
+    tokens and the final state after ``n``; returns the final state as the next verify reads it
+    back from the pool (rounded to the pool's dtype). With ``n = 0`` it stores nothing and
+    returns ``S``: the kernel runs it for every row, so that no branch joins two versions of the
+    tile (for bf16 pools that cost spills in the token loop)."""
+    corr_row = corr_ptr + (rec_row * HV + hv) * max_window * V
+    key_row = key_ptr + (rec_row * H + h) * max_window * K
+    DECAY_SIZE: tl.constexpr = K if VECTOR_DECAY else 1
+    decay_row = decay_ptr + (rec_row * HV + hv) * max_window * DECAY_SIZE
+    head = hv * stride_s_h
+    S = replay_records(S, corr_row, key_row, decay_row, 0, boundary_len, offs_v, mask_v, offs_k, mask_k, offs_g,
+                       mask_g, K, V, ROW_LANES, K_INNER, K_CHUNKS, EXACT_K, EXACT_V, VECTOR_DECAY)
+    if boundary > null_slot:
+        store_masked(state_ptr + boundary.to(tl.int64) * stride_s_slot + head + tile,
+                     to_storage(S, state_ptr.dtype.element_ty, INTERPRETED), mask_tile, EXACT)
+    S = replay_records(S, corr_row, key_row, decay_row, boundary_len, n, offs_v, mask_v, offs_k, mask_k, offs_g,
+                       mask_g, K, V, ROW_LANES, K_INNER, K_CHUNKS, EXACT_K, EXACT_V, VECTOR_DECAY)
+    stored = to_storage(S, state_ptr.dtype.element_ty, INTERPRETED)
+    tl.store(state_ptr + final.to(tl.int64) * stride_s_slot + head + tile, stored,
+             mask=tl.where(n > 0, mask_tile, False))
+    return tl.where(n > 0, stored.to(tl.float32), S)
+
+
 # Everything that may differ between a verify call and the native call it must match (token
 # inputs, records, outputs, index tensors, scalars, the mode itself) is kept out of Triton's
 # specialization, so verify, decode and snapshot run the *same compiled kernel*: only the state
@@ -272,21 +339,23 @@ def store_records(corr_ptr, key_ptr, decay_ptr, row64, i_v, hv, h, t, max_window
 # tile). Alignment is instead the constexpr ALIGNED, which the launcher makes true for every call
 # it can (see launch.py).
 _TOKEN_POINTERS = ["q_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr", "A_log_ptr", "dt_bias_ptr", "out_ptr",
-                   "state_indices_ptr", "qsl_ptr", "corr_ptr", "key_ptr", "decay_ptr", "snapshot_ptr"]
+                   "state_indices_ptr", "qsl_ptr", "corr_ptr", "key_ptr", "decay_ptr", "snapshot_ptr",
+                   "pending_rows_ptr", "plan_ptr", "parity_ptr"]
 _RUNTIME_SCALARS = ["stride_q_t", "stride_q_h", "stride_k_t", "stride_k_h", "stride_v_t", "stride_v_h",
                     "stride_a_t", "stride_a_h", "stride_b_t", "stride_o_t", "stride_o_h", "stride_snap_row",
-                    "num_tokens", "num_slots", "null_slot", "max_window", "scale", "lower_bound", "mode"]
+                    "num_tokens", "num_slots", "null_slot", "max_window", "scale", "lower_bound", "mode",
+                    "plan_rows", "record_rows", "has_pending"]
 
 
 @triton.jit(do_not_specialize=_RUNTIME_SCALARS, do_not_specialize_on_alignment=_TOKEN_POINTERS)
 def recurrence_kernel(
     q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, out_ptr,
     state_ptr, state_indices_ptr, qsl_ptr,
-    corr_ptr, key_ptr, decay_ptr, snapshot_ptr,
+    corr_ptr, key_ptr, decay_ptr, snapshot_ptr, pending_rows_ptr, plan_ptr, parity_ptr,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
     stride_a_t, stride_a_h, stride_b_t, stride_o_t, stride_o_h,
     stride_s_slot, stride_s_h, stride_snap_row,
-    num_tokens, num_slots, null_slot, max_window, scale, lower_bound, mode,
+    num_tokens, num_slots, null_slot, max_window, scale, lower_bound, mode, plan_rows, record_rows, has_pending,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, STRIDE_S_V: tl.constexpr,
     K_PAD: tl.constexpr, K_INNER: tl.constexpr, ROWS: tl.constexpr, ROW_LANES: tl.constexpr,
     GATES_PRECOMPUTED: tl.constexpr, USE_L2NORM: tl.constexpr, ALIGNED: tl.constexpr,
@@ -310,6 +379,12 @@ def recurrence_kernel(
     start, span, length = row_window(qsl_ptr, row, num_tokens, max_window)
     slot = tl.load(state_indices_ptr + row)
     live = is_slot(slot, null_slot, num_slots)
+    # Double-buffered records (deferred commits; all runtime values, so every call of a state
+    # dtype and shape runs one binary): this call writes buffer ``parity``, and a row with a
+    # pending step first replays its records from the other buffer.
+    write_row, read_row, prev, replay_len, source, final, boundary, boundary_len = verify_rows(
+        row, slot, live, parity_ptr, pending_rows_ptr, plan_ptr, plan_rows, record_rows, has_pending, null_slot,
+        num_slots, max_window)
 
     lane_v = tl.arange(0, ROW_LANES)
     chunk = tl.arange(0, K_CHUNKS)
@@ -335,58 +410,56 @@ def recurrence_kernel(
     row64 = row.to(tl.int64)
 
     if live:
-        state_tile = state_ptr + slot.to(tl.int64) * stride_s_slot + hv * stride_s_h
+        state_tile = state_ptr + source.to(tl.int64) * stride_s_slot + hv * stride_s_h
         S = load_masked(state_tile + tile, mask_tile, EXACT, STATE_EVICTION).to(tl.float32)
-        if GATES_PRECOMPUTED:
-            gate_scale = 0.0
-            dt_bias = 0.0
-        else:
-            gate_scale = tl.exp(tl.load(A_log_ptr + hv))
-            if not LOWER_BOUND:
-                gate_scale = -gate_scale
-            if VECTOR_DECAY:
-                dt_bias = load_masked(dt_bias_ptr + hv * K + offs_g, mask_g, EXACT_K)
-            else:
-                dt_bias = tl.load(dt_bias_ptr + hv)
-        fetched = fetch_token(tl.minimum(start, num_tokens - 1), q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
-                              stride_q_t, stride_k_t, stride_v_t, stride_a_t, stride_b_t, q_head, k_head,
-                              v_head, a_head, hv, offs_k, mask_k, offs_v, mask_v, offs_g, mask_g, ALIGNED, EXACT_K,
-                              EXACT_V, QK_EVICTION, VECTOR_DECAY)
-        for t in range(0, length):
-            k_t, q_t, v_t, a_t, b_t = fetched
-            # the next token's loads go out now (the last iteration fetches its own token again)
-            fetched = fetch_token(start + tl.minimum(t + 1, length - 1), q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
+        S = replay_pending(S, corr_ptr, key_ptr, decay_ptr, read_row, hv, h, max_window, replay_len, boundary,
+                           boundary_len, final, state_ptr, stride_s_slot, stride_s_h, tile, mask_tile, offs_v, mask_v,
+                           offs_k, mask_k, offs_g, mask_g, null_slot, H, HV, K, V, ROW_LANES, K_INNER, K_CHUNKS, EXACT,
+                           EXACT_K, EXACT_V, VECTOR_DECAY, INTERPRETED)
+        if (replay_len > 0) & (i_v == 0) & (hv == 0):
+            count_replay(plan_ptr, plan_rows, prev)
+        gate_scale, dt_bias = gate_constants(A_log_ptr, dt_bias_ptr, hv, offs_g, mask_g, K, EXACT_K, GATES_PRECOMPUTED,
+                                             VECTOR_DECAY, LOWER_BOUND)
+        if length > 0:      # (a row without tokens may still have replayed its pending step)
+            fetched = fetch_token(tl.minimum(start, num_tokens - 1), q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
                                   stride_q_t, stride_k_t, stride_v_t, stride_a_t, stride_b_t, q_head, k_head,
-                                  v_head, a_head, hv, offs_k, mask_k, offs_v, mask_v, offs_g, mask_g, ALIGNED,
-                                  EXACT_K, EXACT_V, QK_EVICTION, VECTOR_DECAY)
-            k_hat, q_hat, v_t, decay, beta = prepare_token(k_t, q_t, v_t, a_t, b_t, gate_scale, dt_bias, scale,
-                                                           lower_bound, GATES_PRECOMPUTED, USE_L2NORM,
-                                                           PTX_WIDEN_BF16, LOWER_BOUND)
-            if VECTOR_DECAY:
-                S, correction, o_t = delta_rule_step(S, k_hat, q_hat, v_t, beta,
-                                                     tile_vector(decay, ROW_LANES, K_INNER, K_CHUNKS))
-            else:
-                S, correction, o_t = delta_rule_step(S, k_hat, q_hat, v_t, beta, decay)
+                                  v_head, a_head, hv, offs_k, mask_k, offs_v, mask_v, offs_g, mask_g, ALIGNED, EXACT_K,
+                                  EXACT_V, QK_EVICTION, VECTOR_DECAY)
+            for t in range(0, length):
+                k_t, q_t, v_t, a_t, b_t = fetched
+                # the next token's loads go out now (the last iteration fetches its own token again)
+                fetched = fetch_token(start + tl.minimum(t + 1, length - 1), q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
+                                      stride_q_t, stride_k_t, stride_v_t, stride_a_t, stride_b_t, q_head, k_head,
+                                      v_head, a_head, hv, offs_k, mask_k, offs_v, mask_v, offs_g, mask_g, ALIGNED,
+                                      EXACT_K, EXACT_V, QK_EVICTION, VECTOR_DECAY)
+                k_hat, q_hat, v_t, decay, beta = prepare_token(k_t, q_t, v_t, a_t, b_t, gate_scale, dt_bias, scale,
+                                                               lower_bound, GATES_PRECOMPUTED, USE_L2NORM,
+                                                               PTX_WIDEN_BF16, LOWER_BOUND)
+                if VECTOR_DECAY:
+                    S, correction, o_t = delta_rule_step(S, k_hat, q_hat, v_t, beta,
+                                                         tile_vector(decay, ROW_LANES, K_INNER, K_CHUNKS))
+                else:
+                    S, correction, o_t = delta_rule_step(S, k_hat, q_hat, v_t, beta, decay)
 
-            tok = (start + t).to(tl.int64)
-            store_masked(out_ptr + tok * stride_o_t + hv * stride_o_h + offs_v,
-                         to_storage(o_t, out_ptr.dtype.element_ty, INTERPRETED), mask_v, EXACT_V)
-            if mode == MODE_VERIFY:
-                store_records(corr_ptr, key_ptr, decay_ptr, row64, i_v, hv, h, t, max_window, correction, k_hat,
-                              decay, offs_v, mask_v, offs_k, mask_k, offs_g, mask_g, chunk, lane_v, H, HV, K, V,
-                              ROW_LANES, EXACT_V, VECTOR_DECAY)
-            # State stores, both from inside the loop: the snapshot after every position, and
-            # native decode's final state after the last one (into the row's own slot). Keeping
-            # decode's store in the loop, behind a per-token slot index, spares the registers
-            # that a store after the loop would hold its addresses in for the whole window.
-            if mode == MODE_SNAPSHOT:
-                dst = tl.load(snapshot_ptr + row64 * stride_snap_row + t)
-            else:
-                dst = tl.where((mode == MODE_DECODE) & (t == length - 1), slot, null_slot)
-            if is_slot(dst, null_slot, num_slots):
-                dst_tile = state_ptr + dst.to(tl.int64) * stride_s_slot + hv * stride_s_h
-                store_masked(dst_tile + tile, to_storage(S, state_ptr.dtype.element_ty, INTERPRETED), mask_tile,
-                             EXACT)
+                tok = (start + t).to(tl.int64)
+                store_masked(out_ptr + tok * stride_o_t + hv * stride_o_h + offs_v,
+                             to_storage(o_t, out_ptr.dtype.element_ty, INTERPRETED), mask_v, EXACT_V)
+                if mode == MODE_VERIFY:
+                    store_records(corr_ptr, key_ptr, decay_ptr, write_row, i_v, hv, h, t, max_window, correction, k_hat,
+                                  decay, offs_v, mask_v, offs_k, mask_k, offs_g, mask_g, chunk, lane_v, H, HV, K, V,
+                                  ROW_LANES, EXACT_V, VECTOR_DECAY)
+                # State stores, both from inside the loop: the snapshot after every position, and
+                # native decode's final state after the last one (into the row's own slot). Keeping
+                # decode's store in the loop, behind a per-token slot index, spares the registers
+                # that a store after the loop would hold its addresses in for the whole window.
+                if mode == MODE_SNAPSHOT:
+                    dst = tl.load(snapshot_ptr + row64 * stride_snap_row + t)
+                else:
+                    dst = tl.where((mode == MODE_DECODE) & (t == length - 1), slot, null_slot)
+                if is_slot(dst, null_slot, num_slots):
+                    dst_tile = state_ptr + dst.to(tl.int64) * stride_s_slot + hv * stride_s_h
+                    store_masked(dst_tile + tile, to_storage(S, state_ptr.dtype.element_ty, INTERPRETED), mask_tile,
+                                 EXACT)
     else:
         zeros = tl.zeros([ROW_LANES, ROWS], dtype=out_ptr.dtype.element_ty)
         for t in range(0, span):
