@@ -52,6 +52,7 @@ def test_bytes_per_request_and_pools():
     slot = M.state_slot_bytes(g, F32) + M.conv_slot_bytes(g, 4)
     assert M.bytes_per_request(g, F32, 4, "snapshot") == 36 * 4 * slot
     assert M.bytes_per_request(g, F32, 4, "recoverssm") == 36 * (slot + 4 * M.record_token_bytes(g))
+    assert M.bytes_per_request(g, F32, 4, "deferred") == 36 * (slot + 2 * 4 * M.record_token_bytes(g))
     # The case the issue names: 36 layers x 256 requests x 8 fp32 snapshot slots does not fit 100 GiB.
     big = M.Case(g, 1, F32, 256, 8)
     assert M.pool_bytes(big, "snapshot") > M.POOL_BUDGET_BYTES > M.pool_bytes(big, "recoverssm")
@@ -66,6 +67,8 @@ def test_traffic():
     ours = 3 * 8 * state + (8 * 4 + accepted) * M.record_token_bytes(g) + M.conv_traffic(g, 8, 4, "recoverssm")
     assert M.traffic_bytes(case, "recoverssm", accepted) == g.layers * ours
     assert M.conv_traffic(g, 8, 4, "recoverssm") - conv == 2 * 8 * 3 * g.conv_dim * 2   # the compaction
+    deferred = 2 * 8 * state + (8 * 4 + accepted) * M.record_token_bytes(g) + M.conv_traffic(g, 8, 4, "deferred")
+    assert M.traffic_bytes(case, "deferred", accepted) == g.layers * deferred      # one state move fewer
 
 
 def test_memory_rows():
@@ -85,7 +88,7 @@ def _agree(geometry, dtype, backend, N=3, T=3):
     case = M.Case(geometry, 1, dtype, N, T)
     out = M.run_case_eagerly(case, device, backend)
     ours, snap = out["recoverssm"], out["snapshot"]
-    assert M.states_agree(ours, snap)
+    assert M.states_agree(ours, snap) and M.states_agree(ours, out["deferred"])
     # Not vacuous: the step moved every checked state away from where it started.
     start = M.make_pools(case, "recoverssm", device)
     for layer, state in zip(ours.layers, ours.state):
@@ -172,7 +175,7 @@ def test_targets():
     assert t["speedup >= 1.2x at T = 4, N = 8, fp32 state"]["met"] is True
     assert t["speedup >= 1.2x at T = 4, N = 8, bf16 state"]["met"] is None
     assert t["concurrent requests >= 3x at T = 4"]["met"] is True
-    assert t["commit of n == snapshot of position n - 1, bit for bit"]["met"] is True
+    assert t["commit of n == deferred + flush == snapshot of position n - 1, bit for bit"]["met"] is True
 
 
 def test_summary_renders_and_serializes(fake_timers, tmp_path):

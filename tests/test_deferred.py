@@ -4,11 +4,12 @@ outputs every step and, after a final flush, its states and conv states, bit for
 step that is neither replayed nor flushed is caught where value checks run."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 import recoverssm as rs
-
 
 from deferred_sim import Engine, Setup
 from helpers import backends
@@ -157,3 +158,108 @@ def test_a_deferred_step_compiles_and_gives_the_eager_bits():
         results.append(outs + world.caches())
     for eager, compiled in zip(*results):
         assert torch.equal(eager, compiled)
+
+
+# ------------------------------------------------------------------------------------------------
+# on the GPU: realistic head sizes, and one CUDA graph per step
+# ------------------------------------------------------------------------------------------------
+GPU_SETUPS = {
+    "fp32": Setup(H=2, HV=4, K=128, V=128, max_batch=6, backend="cuda", device="cuda"),
+    "bf16 align": Setup(H=2, HV=4, K=128, V=128, max_batch=6, state_dtype=torch.bfloat16, align=True,
+                        block_size=2, backend="cuda", device="cuda"),
+    "two groups": Setup(H=1, HV=2, K=64, V=32, groups=2, kinds=("kda", "gdn"), backend="cuda", device="cuda"),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("setup", sorted(GPU_SETUPS))
+def test_deferred_steps_give_the_eager_bits_on_the_gpu(setup):
+    engine = Engine(GPU_SETUPS[setup], seed=11)
+    for i in range(12):
+        engine.step(flush_all=i == 6)
+    engine.finish()
+    assert engine.replayed > 0 and engine.flushed > 0
+
+
+def _fixed_buffers(state_dtype, backend: str, device: str, graphs: bool) -> None:
+    """A step of fixed buffers, as under CUDA graphs (``graphs``: captured once per world, verify of
+    every layer + commit, and verify with the pending step + defer, then replayed), run with new
+    values: rows continue, one leaves (flushed between steps), another joins; the eager bits
+    every step, and after a flush."""
+    s = Setup(H=2, HV=4, K=128 if graphs else 16, V=128 if graphs else 16, max_batch=4, state_dtype=state_dtype,
+              backend=backend, device=device)
+    engine = Engine(s, seed=13)
+    eager, deferred = engine.eager, engine.deferred
+    for _ in range(s.max_batch):
+        engine.join()
+    rids = list(engine.requests)
+    T, B = s.T, s.max_batch
+    slots = torch.tensor([engine.requests[r].slots[0] for r in rids], dtype=torch.int32, device=device)
+    step = dict(tokens=B * T, qsl=torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device), slots=[slots],
+                accepted=torch.ones(B, dtype=torch.int32, device=device),
+                pending_rows=torch.arange(B, dtype=torch.int32, device=device))
+    inputs = engine._inputs(step["tokens"])
+    outs = {}
+
+    def run(world):
+        outs[id(world)] = world.verify(inputs, step)     # fresh tensors (under capture: the graph's)
+        world.end_step(step)
+
+    replay = {id(world): _replayer(run, world, graphs) for world in (eager, deferred)}
+    deferred.ctx.flush()                                 # the first step (a capture runs nothing), settled
+    assert all(torch.equal(a, b) for a, b in zip(eager.caches(), deferred.caches()))
+    gen = torch.Generator().manual_seed(3)
+    step["pending_rows"].fill_(-1)                       # nothing pending at the first step
+    for i in range(8):
+        _reschedule(i, engine, step)
+        for t in inputs.values():
+            for x in t:
+                x.copy_(torch.randn(x.shape, generator=gen))
+        step["accepted"].copy_(torch.randint(1, T + 1, (B,), generator=gen, dtype=torch.int32))
+        for world in (eager, deferred):
+            replay[id(world)]()
+        if graphs:
+            torch.cuda.synchronize()
+        for n, (a, b) in enumerate(zip(outs[id(eager)], outs[id(deferred)])):
+            assert torch.equal(a, b), f"step {i}: output {n} differs"
+        step["pending_rows"].copy_(torch.tensor([r if slots[r] >= 0 and not (i == 4 and r == 1) else -1
+                                                 for r in range(B)], dtype=torch.int32))
+    deferred.ctx.flush()
+    for n, (a, b) in enumerate(zip(eager.caches(), deferred.caches())):
+        assert torch.equal(a, b), f"cache {n} differs"
+
+
+def _replayer(run, world, graphs: bool):
+    """The world's step, once eagerly (it compiles, binds, uploads the tables), then as a replay:
+    of a CUDA graph captured from it, or of the eager call."""
+    run(world)
+    if not graphs:
+        return functools.partial(run, world)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(world)
+    return graph.replay
+
+
+def _reschedule(i: int, engine: Engine, step: dict) -> None:
+    """Before step ``i``: at 3 the request of row 1 leaves (flushed, the row padding); at 5 a new
+    request takes row 1."""
+    slots = step["slots"][0]
+    if i == 3:
+        engine.deferred.ctx.flush(torch.tensor([1], dtype=torch.int32, device=slots.device))
+        slots[1] = -1
+        step["pending_rows"][1] = -1
+    if i == 5:
+        engine.join()
+        slots[1] = engine.requests[engine.next_id - 1].slots[0]
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_a_step_of_fixed_buffers(state_dtype):
+    _fixed_buffers(state_dtype, "cpu_ref", "cpu", graphs=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_a_deferred_step_in_one_cuda_graph(state_dtype):
+    _fixed_buffers(state_dtype, "cuda", "cuda", graphs=True)

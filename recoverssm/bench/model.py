@@ -8,17 +8,22 @@ drafts), for every recurrent layer of the model:
   request, then ONE :meth:`~recoverssm.CommitContext.commit` of all layers (conv compaction
   included). Each request owns 1 state slot and 1 conv slot per layer, plus its share of the
   replay records.
+* **deferred**: RecoverSSM with deferred commits (:meth:`~recoverssm.CommitContext.defer`): per
+  layer ``rs.conv_verify`` + ``rs.{gdn,kda}_verify`` with the step before pending (every request
+  continues in its own row, as in a steady batch), each first replaying that step's accepted
+  tokens in registers, then ONE small ``ctx.defer``. The records are double-buffered.
 * **snapshot**: per layer the same ``rs.conv_verify`` (into a conv pool of ``T`` slots per
   request) + ``rs.{gdn,kda}_spec_decode_snapshot``, which stores the state after every position.
   Each request owns ``1 + k = T`` slots per layer; the one holding its current state is one of
   them, as in an engine that rotates through them.
 
-Both methods run on the same activations (bf16; q, k, v are views into the conv output, as in a
+The methods run on the same activations (bf16; q, k, v are views into the conv output, as in a
 model), from the same starting states, with ``num_accepted`` drawn per request in ``[1, T]``; the
 states after the step are compared bit for bit (commit of ``n`` tokens == snapshot of position
-``n - 1``, state and conv history). Each method's step is timed from one CUDA graph and launched
-eagerly (what an engine that does not capture pays in host time). Cases whose pools exceed the
-device memory budget are reported as not fitting rather than run.
+``n - 1``, state and conv history; the deferred step after a flush == the commit). Each method's
+step is timed from one CUDA graph (the deferred step in its steady state: every row replaying the
+step before) and launched eagerly (what an engine that does not capture pays in host time).
+Cases whose pools exceed the device memory budget are reported as not fitting rather than run.
 
 The case building and the eager steps (:func:`run_case_eagerly`) run on any device and backend;
 only :func:`bench_model` and the timing under it need a CUDA GPU.
@@ -38,7 +43,7 @@ from recoverssm.console import ProgressBar, format_table
 
 from .timing import CopyCeiling, copies_for, median_us
 
-METHODS = ("recoverssm", "snapshot")
+METHODS = ("recoverssm", "deferred", "snapshot")
 GiB = 2**30
 #: device memory a method's pools (all rotated copies) may take; more is reported as not fitting
 POOL_BUDGET_BYTES = 100 * GiB
@@ -163,16 +168,22 @@ def record_token_bytes(g: Geometry) -> int:
 
 
 def slots_per_request(method: str, T: int) -> int:
-    """State (and conv) slots a request owns per layer: 1 for RecoverSSM, ``1 + k = T`` for the
-    snapshot method."""
-    return 1 if method == "recoverssm" else T
+    """State (and conv) slots a request owns per layer: 1 for RecoverSSM (both commit modes),
+    ``1 + k = T`` for the snapshot method."""
+    return T if method == "snapshot" else 1
+
+
+def record_buffers(method: str) -> int:
+    """Records workspaces per layer: 1 (eager commits), 2 (deferred: one pending, one written),
+    none for the snapshot method."""
+    return {"recoverssm": 1, "deferred": 2}.get(method, 0)
 
 
 def bytes_per_request(g: Geometry, state_dtype: torch.dtype, T: int, method: str) -> int:
     """Device memory one request's recurrent caches take over all layers: its slots (state and
-    conv) and, for RecoverSSM, its share of the records workspace (``T`` tokens)."""
+    conv) and, for RecoverSSM, its share of the records workspaces (``T`` tokens each)."""
     slot = state_slot_bytes(g, state_dtype) + conv_slot_bytes(g, T)
-    records = T * record_token_bytes(g) if method == "recoverssm" else 0
+    records = record_buffers(method) * T * record_token_bytes(g)
     return g.layers * (slots_per_request(method, T) * slot + records)
 
 
@@ -192,11 +203,12 @@ def activation_bytes(case: Case) -> int:
 
 def conv_traffic(g: Geometry, N: int, T: int, method: str) -> int:
     """One layer's conv bytes: ``conv_verify`` reads the inputs and each request's history and
-    writes the outputs and the window's inputs into the conv state; RecoverSSM's commit then reads
-    and writes each request's new history (the compaction)."""
+    writes the outputs and the window's inputs into the conv state; RecoverSSM then reads and
+    writes each request's new history (the compaction: in the commit, or deferred, in the next
+    ``conv_verify``)."""
     e, history = _itemsize(ACT_DTYPE), g.conv_width - 1
     verify = (3 * N * T + N * history) * g.conv_dim * e
-    compaction = 2 * N * history * g.conv_dim * e if method == "recoverssm" else 0
+    compaction = 2 * N * history * g.conv_dim * e if method != "snapshot" else 0
     return verify + compaction
 
 
@@ -205,21 +217,27 @@ def traffic_bytes(case: Case, method: str, accepted_tokens: int) -> int:
 
     RecoverSSM, per layer: the state read once in verify, read and written once in the commit,
     records written for every token and read for the ``accepted_tokens`` replayed, the conv.
-    Snapshot: the state read once and written after each of the ``T`` positions, the conv. The
-    recurrence's activation reads and output writes (the same in both) are left out.
+    Deferred: the state read once and written once (in the verify that replays the step before),
+    the same records and conv. Snapshot: the state read once and written after each of the ``T``
+    positions, the conv. The recurrence's activation reads and output writes (the same in all
+    three) are left out.
     """
     g, N, T = case.shard, case.N, case.T
     state = state_slot_bytes(g, case.state_dtype)
+    records = (N * T + accepted_tokens) * record_token_bytes(g)
     if method == "recoverssm":
-        per_layer = 3 * N * state + (N * T + accepted_tokens) * record_token_bytes(g)
+        per_layer = 3 * N * state + records
+    elif method == "deferred":
+        per_layer = 2 * N * state + records
     else:
         per_layer = (1 + T) * N * state
     return g.layers * (per_layer + conv_traffic(g, N, T, method))
 
 
 def launches_per_step(g: Geometry, method: str) -> int:
-    """Kernel launches of one step: a conv and a recurrence per layer, plus RecoverSSM's commit."""
-    return 2 * g.layers + (1 if method == "recoverssm" else 0)
+    """Kernel launches of one step: a conv and a recurrence per layer, plus RecoverSSM's commit
+    (or the deferred step's defer)."""
+    return 2 * g.layers + (0 if method == "snapshot" else 1)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -302,14 +320,14 @@ class Pools:
     snapshot_slots: Optional[torch.Tensor] = None
 
 
-def _records(g: Geometry, N: int, T: int, device) -> list:
+def _records(g: Geometry, N: int, T: int, device, buffers: int = 1) -> list:
     """The records workspace of every layer: views into three allocations (written by verify
-    before the commit reads them, so they start uninitialized)."""
-    L, kw = g.layers, dict(dtype=torch.float32, device=device)
-    correction = torch.empty(L, N, g.HV, T, g.V, **kw)
-    key = torch.empty(L, N, g.H, T, g.K, **kw)
-    decay = torch.empty((L, N, g.HV, T, g.K) if g.kind == "kda" else (L, N, g.HV, T), **kw)
-    return [rs.ReplayRecords(correction[i], key[i], decay[i]) for i in range(L)]
+    before the commit reads them, so they start uninitialized); ``buffers = 2``: double-buffered."""
+    L, R, kw = g.layers, buffers * N, dict(dtype=torch.float32, device=device)
+    correction = torch.empty(L, R, g.HV, T, g.V, **kw)
+    key = torch.empty(L, R, g.H, T, g.K, **kw)
+    decay = torch.empty((L, R, g.HV, T, g.K) if g.kind == "kda" else (L, R, g.HV, T), **kw)
+    return [rs.ReplayRecords(correction[i], key[i], decay[i], buffers) for i in range(L)]
 
 
 def make_pools(case: Case, method: str, device, seed: int = 0) -> Pools:
@@ -320,9 +338,9 @@ def make_pools(case: Case, method: str, device, seed: int = 0) -> Pools:
     slots = N * slots_per_request(method, T)
     state = torch.empty(g.layers, slots, g.HV, g.V, g.K, dtype=case.state_dtype, device=device)
     conv = torch.empty(g.layers, slots, g.conv_dim, g.conv_width - 1 + T, dtype=ACT_DTYPE, device=device)
-    if method == "recoverssm":
+    if method != "snapshot":
         source = torch.arange(N, dtype=torch.int32, device=device)
-        pools = Pools(state, conv, source, records=_records(g, N, T, device))
+        pools = Pools(state, conv, source, records=_records(g, N, T, device, record_buffers(method)))
     else:
         # The current state sits in whichever of the request's T slots the last step accepted.
         host = torch.Generator().manual_seed(seed + 1)
@@ -350,10 +368,11 @@ def fill_sources(case: Case, pools: Pools, seed: int) -> None:
 class Step:
     """One speculative decode step of every recurrent layer: a fixed list of library calls (all
     arguments bound up front, outputs included, so the calls allocate nothing and can be captured
-    in a CUDA graph)."""
+    in a CUDA graph). ``ctx``: the step's commit context (None for the snapshot method)."""
 
-    def __init__(self, calls: Sequence[tuple[Callable, dict]]):
+    def __init__(self, calls: Sequence[tuple[Callable, dict]], ctx: Optional[rs.CommitContext] = None):
         self.calls = list(calls)
+        self.ctx = ctx
 
     def __call__(self) -> None:
         for fn, kwargs in self.calls:
@@ -367,28 +386,42 @@ def _conv_call(acts: Activations, pools: Pools, layer: int, backend: str) -> tup
 
 
 def make_step(case: Case, method: str, acts: Activations, pools: Pools, backend: str) -> Step:
-    """The step of ``method`` over ``pools`` (RecoverSSM: builds the layers' CommitContext)."""
+    """The step of ``method`` over ``pools`` (RecoverSSM: builds the layers' CommitContext; the
+    deferred one replays, in every row, the step before of the same row)."""
     g = case.shard
     q, k, v = split_qkv(acts.y, g)
     common = dict(q=q, k=k, v=v, state_indices=pools.source, query_start_loc=acts.query_start_loc, out=acts.o,
                   backend=backend)
-    calls = []
-    for layer in range(g.layers):
-        calls.append(_conv_call(acts, pools, layer, backend))
-        state = dict(state=pools.state[layer], **common, **acts.gates(layer))
-        if method == "recoverssm":
-            verify = rs.gdn_verify if g.kind == "gdn" else rs.kda_verify
-            calls.append((verify, dict(records=pools.records[layer], **state)))
-        else:
-            snapshot = rs.gdn_spec_decode_snapshot if g.kind == "gdn" else rs.kda_spec_decode_snapshot
-            calls.append((snapshot, dict(snapshot_slots=pools.snapshot_slots, **state)))
-    if method == "recoverssm":
+    ctx, pending = None, {}
+    if method != "snapshot":
         caches = [rs.LayerCache(pools.state[i], pools.records[i], conv_state=pools.conv[i], conv_width=g.conv_width)
                   for i in range(g.layers)]
-        ctx = rs.CommitContext([caches], max_batch=case.N, backend=backend)
-        calls.append((ctx.commit, dict(num_accepted=acts.num_accepted, state_indices=pools.source,
-                                       query_start_loc=acts.query_start_loc)))
-    return Step(calls)
+        ctx = rs.CommitContext([caches], max_batch=case.N, backend=backend, deferred=method == "deferred")
+        if method == "deferred":
+            pending = dict(pending=ctx.pending, pending_rows=torch.arange(case.N, dtype=torch.int32,
+                                                                          device=pools.source.device))
+    calls = []
+    for layer in range(g.layers):
+        fn, conv = _conv_call(acts, pools, layer, backend)
+        calls.append((fn, dict(conv, **pending)))
+        state = dict(state=pools.state[layer], **common, **acts.gates(layer))
+        if method == "snapshot":
+            snapshot = rs.gdn_spec_decode_snapshot if g.kind == "gdn" else rs.kda_spec_decode_snapshot
+            calls.append((snapshot, dict(snapshot_slots=pools.snapshot_slots, **state)))
+        else:
+            verify = rs.gdn_verify if g.kind == "gdn" else rs.kda_verify
+            calls.append((verify, dict(records=pools.records[layer], **state, **pending)))
+    if ctx is not None:
+        end = ctx.defer if method == "deferred" else ctx.commit
+        calls.append((end, dict(num_accepted=acts.num_accepted, state_indices=pools.source,
+                                query_start_loc=acts.query_start_loc)))
+    return Step(calls, ctx)
+
+
+def settle(step: Step) -> None:
+    """Leave the states where the step accepted them: a deferred step's pending commit flushed."""
+    if step.ctx is not None and step.ctx.deferred:
+        step.ctx.flush()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -413,7 +446,7 @@ def accepted_states(case: Case, method: str, acts: Activations, pools: Pools,
     history = case.shard.conv_width - 1
     layers = list(layers)
     n = acts.num_accepted.long()
-    if method == "recoverssm":
+    if method != "snapshot":
         slots = pools.source.long()
         columns = torch.arange(history, device=n.device).expand(case.N, history)
     else:
@@ -442,7 +475,9 @@ def run_case_eagerly(case: Case, device="cpu", backend: str = "cpu_ref",
     out = {}
     for method in METHODS:
         pools = make_pools(case, method, device, seed)
-        make_step(case, method, acts, pools, backend)()
+        step = make_step(case, method, acts, pools, backend)
+        step()
+        settle(step)
         out[method] = accepted_states(case, method, acts, pools, layers)
     return out
 
@@ -462,8 +497,8 @@ def memory_rows(cases: Sequence[Case], budget: int = CONCURRENCY_BUDGET_BYTES) -
         per = {m: bytes_per_request(c.shard, c.state_dtype, c.T, m) for m in METHODS}
         fit = {m: budget // per[m] for m in METHODS}
         rows.append(dict(geometry=c.geometry.name, tp=c.tp, state=DTYPE_NAMES[c.state_dtype], T=c.T,
-                         recoverssm_bytes_per_request=per["recoverssm"], snapshot_bytes_per_request=per["snapshot"],
-                         recoverssm_max_requests=fit["recoverssm"], snapshot_max_requests=fit["snapshot"],
+                         **{f"{m}_bytes_per_request": per[m] for m in METHODS},
+                         **{f"{m}_max_requests": fit[m] for m in METHODS},
                          concurrency_gain=round(fit["recoverssm"] / max(fit["snapshot"], 1), 3),
                          budget_gib=round(budget / GiB, 1)))
     return rows
@@ -474,6 +509,10 @@ def memory_rows(cases: Sequence[Case], budget: int = CONCURRENCY_BUDGET_BYTES) -
 # ------------------------------------------------------------------------------------------------
 #: (target, threshold, the row field it reads, which rows it covers): speedups over the timed
 #: cases, the concurrency gain over the memory rows
+def _qwen_n64(state: str, T: int):
+    return lambda r: r["geometry"] == QWEN3_NEXT.name and r["state"] == state and r["T"] == T and r["N"] >= 64
+
+
 TARGETS = (
     ("speedup >= 0.97x at every N and T", 0.97, "speedup", lambda r: True),
     ("speedup >= 1.4x at T = 4, N >= 64", 1.4, "speedup", lambda r: r["T"] == 4 and r["N"] >= 64),
@@ -482,6 +521,11 @@ TARGETS = (
      lambda r: r["T"] == 4 and r["N"] == 8 and r["state"] == "fp32"),
     ("speedup >= 1.2x at T = 4, N = 8, bf16 state", 1.2, "speedup",
      lambda r: r["T"] == 4 and r["N"] == 8 and r["state"] == "bf16"),
+    ("deferred speedup >= 1.0x at every N, T and dtype", 1.0, "deferred_speedup", lambda r: True),
+    *((f"deferred speedup >= {x}x, Qwen3-Next, {state}, T = {T}, N >= 64", x, "deferred_speedup",
+       _qwen_n64(state, T))
+      for state, targets in (("fp32", ((2, 1.5), (4, 2.2), (8, 3.0))), ("bf16", ((2, 1.3), (4, 1.6), (8, 2.0))))
+      for T, x in targets),
     ("concurrent requests >= 3x at T = 4", 3.0, "concurrency_gain", lambda r: r["T"] == 4),
 )
 
@@ -500,7 +544,8 @@ def evaluate_targets(cases: Sequence[dict], memory: Sequence[dict]) -> list[dict
                         met=None if worst is None else worst[key] >= threshold))
     checked = [r for r in cases if r.get("check") in ("bit-exact", "MISMATCH")]
     bad = [r for r in checked if r["check"] == "MISMATCH"]
-    out.append(dict(target="commit of n == snapshot of position n - 1, bit for bit", threshold=None,
+    out.append(dict(target="commit of n == deferred + flush == snapshot of position n - 1, bit for bit",
+                    threshold=None,
                     rows=len(checked), measured=f"{len(checked) - len(bad)} of {len(checked)} cases",
                     worst=_row_label(bad[0]) if bad else None, met=None if not checked else not bad))
     return out
@@ -563,8 +608,9 @@ def measure_method(case: Case, method: str, acts: Activations, copies: int, byte
         pools = [make_pools(case, method, device) for _ in range(copies)]
         steps = [make_step(case, method, acts, p, backend) for p in pools]
         steps[0]()
+        settle(steps[0])
         states = accepted_states(case, method, acts, pools[0], keep_layers)
-        for step in steps[1:]:
+        for step in steps:           # a deferred step then has its step before pending (steady state)
             step()
         result = dict(status="ok", us=round(graph_us(steps, graph_iters(expected, copies)), 2),
                       eager_us=round(eager_us(steps), 2))
@@ -597,11 +643,13 @@ def bench_case(case: Case, bytes_per_us: float, fit_budget: int, device="cuda", 
                                                      (0, case.shard.layers - 1), device, backend)
     del acts
     _free_device_memory()
-    ours, snap = states["recoverssm"], states["snapshot"]
-    row["check"] = "n/a" if ours is None or snap is None else "bit-exact" if states_agree(ours, snap) else "MISMATCH"
-    if row["recoverssm"]["status"] == "ok" and row["snapshot"]["status"] == "ok":
-        row["speedup"] = round(row["snapshot"]["us"] / row["recoverssm"]["us"], 3)
-        row["eager_speedup"] = round(row["snapshot"]["eager_us"] / row["recoverssm"]["eager_us"], 3)
+    measured = [states[m] for m in METHODS if states[m] is not None]
+    row["check"] = ("n/a" if len(measured) < 2 else
+                    "bit-exact" if all(states_agree(measured[0], other) for other in measured[1:]) else "MISMATCH")
+    for method, key in (("recoverssm", "speedup"), ("deferred", "deferred_speedup")):
+        if row[method]["status"] == "ok" and row["snapshot"]["status"] == "ok":
+            row[key] = round(row["snapshot"]["us"] / row[method]["us"], 3)
+            row["eager_" + key] = round(row["snapshot"]["eager_us"] / row[method]["eager_us"], 3)
     row["case_s"] = round(time.perf_counter() - start, 2)
     return row
 
@@ -671,21 +719,24 @@ def _method_cells(m: dict) -> list:
 
 
 def case_table(rows: Sequence[dict]) -> list[str]:
-    headers = ["geometry", "TP", "state", "N", "T", "ours us", "ours eager", "ours floor", "snap us",
-               "snap eager", "snap floor", "speedup", "eager x", "check"]
+    headers = ["geometry", "TP", "state", "N", "T", "ours us", "ours eager", "ours floor", "defer us",
+               "defer eager", "defer floor", "snap us", "snap eager", "snap floor", "speedup", "deferred x",
+               "eager x", "deferred eager x", "check"]
     cells = [[r["geometry"], r["tp"], r["state"], r["N"], r["T"], *_method_cells(r["recoverssm"]),
-              *_method_cells(r["snapshot"]), r.get("speedup", "-"), r.get("eager_speedup", "-"), r["check"]]
-             for r in rows]
-    return format_table(headers, cells, align="<><>>>>>>>>>><")
+              *_method_cells(r.get("deferred", {})), *_method_cells(r["snapshot"]), r.get("speedup", "-"),
+              r.get("deferred_speedup", "-"), r.get("eager_speedup", "-"), r.get("eager_deferred_speedup", "-"),
+              r["check"]] for r in rows]
+    return format_table(headers, cells, align="<><>>" + ">" * 13 + "<")
 
 
 def memory_table(rows: Sequence[dict]) -> list[str]:
-    headers = ["geometry", "TP", "state", "T", "ours MiB/req", "snap MiB/req", "ours max req", "snap max req",
-               "gain"]
+    headers = ["geometry", "TP", "state", "T", "ours MiB/req", "defer MiB/req", "snap MiB/req", "ours max req",
+               "defer max req", "snap max req", "gain"]
     cells = [[r["geometry"], r["tp"], r["state"], r["T"], round(r["recoverssm_bytes_per_request"] / 2**20, 2),
-              round(r["snapshot_bytes_per_request"] / 2**20, 2), r["recoverssm_max_requests"],
-              r["snapshot_max_requests"], r["concurrency_gain"]] for r in rows]
-    return format_table(headers, cells, align="<><>>>>>>")
+              round(r["deferred_bytes_per_request"] / 2**20, 2), round(r["snapshot_bytes_per_request"] / 2**20, 2),
+              r["recoverssm_max_requests"], r["deferred_max_requests"], r["snapshot_max_requests"],
+              r["concurrency_gain"]] for r in rows]
+    return format_table(headers, cells, align="<><>>>>>>>>")
 
 
 def targets_table(targets: Sequence[dict]) -> list[str]:
@@ -699,8 +750,8 @@ def render(model: dict) -> list[str]:
     """The suite's printout: the step table, the memory table and the targets."""
     lines = [f"model: one speculative decode step of all recurrent layers, per TP rank; times in us "
              f"(graph replay, eager launch, copy-bandwidth floor at {model['copy_tbps']} TB/s); "
-             f"speedup = snapshot / RecoverSSM; pools limited to {model['pool_budget_gib']} GiB; "
-             f"{model['elapsed_s']} s"]
+             f"speedup = snapshot / RecoverSSM (deferred x: snapshot / RecoverSSM with deferred commits); "
+             f"pools limited to {model['pool_budget_gib']} GiB; {model['elapsed_s']} s"]
     lines += case_table(model["cases"])
     lines += ["", f"model memory: recurrent caches per request over all layers (state + conv, + records "
                   f"for RecoverSSM), requests fitting {model['concurrency_budget_gib']} GiB"]
@@ -726,7 +777,7 @@ def plot(model: dict, path: str, title: str) -> None:
     if not rows:
         return
     fig, axes = plt.subplots(len(geometries), len(Ts), figsize=(5 * len(Ts), 4 * len(geometries)), squeeze=False)
-    colors = {"recoverssm": "tab:blue", "snapshot": "tab:red"}
+    colors = {"recoverssm": "tab:blue", "deferred": "tab:green", "snapshot": "tab:red"}
     styles = {"fp32": "-", "bf16": "--"}
     for gi, geometry in enumerate(geometries):
         tp = min(r["tp"] for r in rows if r["geometry"] == geometry)

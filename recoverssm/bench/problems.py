@@ -65,6 +65,40 @@ def window(N: int, T: int, H: int, HV: int, K: int, V: int, *, state_dtype=torch
     return Window(q, k, v, a, b, A_log, dt_bias, state, state_indices, qsl, records, N, T)
 
 
+class DeferredLayer:
+    """One layer's step with deferred commits over a :class:`Window`'s inputs and state: a
+    context that defers, double-buffered records, every row continuing its own row of the step
+    before. :meth:`verify` replays the pending step and verifies; :meth:`defer` ends the step.
+    :meth:`warm` runs a step so that every row has a step pending (the steady state)."""
+
+    def __init__(self, w: Window, accepted: torch.Tensor, H: int, K: int, V: int, backend: str = "cuda"):
+        HV = w.state.shape[1]
+        self.w, self.accepted, self.backend = w, accepted, backend
+        self.records = rs.ReplayRecords.allocate(w.N, w.T, H, HV, K, V, device=w.state.device,
+                                                 vector_decay=w.family == "kda", buffers=2)
+        self.ctx = rs.CommitContext([[rs.LayerCache(w.state, self.records)]], max_batch=w.N, backend=backend,
+                                    deferred=True)
+        self.rows = torch.arange(w.N, dtype=torch.int32, device=w.state.device)
+
+    def verify(self):
+        w = self.w
+        op = rs.gdn_verify if w.family == "gdn" else rs.kda_verify
+        return op(w.q, w.k, w.v, state=w.state, state_indices=w.state_indices, query_start_loc=w.query_start_loc,
+                  records=self.records, pending=self.ctx.pending, pending_rows=self.rows, backend=self.backend,
+                  **w.gates())
+
+    def defer(self):
+        return self.ctx.defer(self.accepted, self.w.state_indices, self.w.query_start_loc)
+
+    def step(self):
+        self.verify()
+        self.defer()
+
+    def warm(self) -> "DeferredLayer":
+        self.step()
+        return self
+
+
 @dataclass
 class AlignStep:
     """An align-mode commit step for ``R`` requests: a mix of windows that stay inside a block,

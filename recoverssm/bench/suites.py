@@ -15,7 +15,7 @@ from recoverssm.console import format_table
 
 from ..core.repeats import REPEATS
 from . import kda, model
-from .problems import align_step, commit_context, per_group_indices, spread_accepted, window
+from .problems import DeferredLayer, align_step, commit_context, per_group_indices, spread_accepted, window
 from .rows import peer_row, row
 from .timing import CopyCeiling, copies_for, host_times, kernel_launches, median_us
 
@@ -107,12 +107,20 @@ def bench_verify(ceiling: CopyCeiling, quick: bool, fla: bool, progress: Progres
                 rows.append(dict(kind="spec_step", case=case, N=N, T=T, HV=HV, us=round(t_step, 2),
                                  verify_us=round(t_verify, 2), commit_us=round(t_commit, 2),
                                  snapshot_us=round(t_snap, 2), speedup_vs_snapshot=round(t_snap / t_step, 3)))
+                # the deferred step: every row replays the step before inside its verify, then defers
+                deferred = [DeferredLayer(w, accepted, H, K, V).warm() for w in wins]
+                t_dverify = median_us([d.verify for d in deferred])
+                t_dstep = median_us([d.step for d in deferred])
+                rows.append(dict(kind="deferred_step", case=case, N=N, T=T, HV=HV, us=round(t_dstep, 2),
+                                 verify_us=round(t_dverify, 2), verify_vs_plain=round(t_dverify / t_verify, 3),
+                                 snapshot_us=round(t_snap, 2), speedup_vs_snapshot=round(t_snap / t_dstep, 3),
+                                 speedup_vs_step=round(t_step / t_dstep, 3)))
                 if fla_fn is not None:
                     rows.append(peer_row("fla", case, lambda ws=wins: [_fla_call(w, fla_fn) for w in ws],
                                          t_verify, state, ceiling, N=N, T=T, HV=HV))
                     fla_fn = None if "error" in rows[-1] else fla_fn
                 progress.update(1, case)
-                del wins, ctxs
+                del wins, ctxs, deferred
                 torch.cuda.empty_cache()
     return rows
 
@@ -260,8 +268,9 @@ def run_all(quick: bool = False, fla: bool = True, only: list[str] = (), geometr
 
 
 #: the extra fields a row may carry, shown as ``key=value`` in the notes column
-NOTE_KEYS = ("cpu_us", "launches", "verify_speedup", "speedup_vs_snapshot", "verify_us", "commit_us",
-             "snapshot_us", "ratio_to_floor", "floor_us", "ratio", "records_pct_of_state")
+NOTE_KEYS = ("cpu_us", "launches", "verify_speedup", "speedup_vs_snapshot", "speedup_vs_step", "verify_us",
+             "verify_vs_plain", "commit_us", "snapshot_us", "ratio_to_floor", "floor_us", "ratio",
+             "records_pct_of_state")
 
 
 def _cells(r: dict) -> list[object]:
