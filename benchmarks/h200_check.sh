@@ -19,9 +19,10 @@ for step in "$@"; do
   start=$(date +%s)
   case $step in
     tests)
-      timeout 420 python3 -m pytest -q -p no:cacheprovider -x tests/test_kernel_recurrence.py tests/test_kernel_commit.py \
+      timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_recurrence.py tests/test_kernel_commit.py \
         tests/test_kernel_conv.py tests/test_kernel_plan.py tests/test_kda.py tests/test_conv_decode.py tests/test_ops.py \
-        tests/test_cuda_graphs.py tests/test_repeats.py tests/test_padding_outputs.py 2>        tests/test_cuda_graphs.py tests/test_repeats.py 2>&11 | tee "$OUT/gpu_tests.log" | tail -15 ;;
+        tests/test_cuda_graphs.py tests/test_repeats.py tests/test_padding_outputs.py tests/test_deferred.py \
+        2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
     sanitize)
       for tool in memcheck racecheck; do
         timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 python3 benchmarks/sanitize_case.py \

@@ -7,7 +7,9 @@ off, for ``compute-sanitizer --tool memcheck`` and ``--tool racecheck`` (see doc
 Legal: conv_verify, conv_decode, gdn_verify (three times each with one layout, so that the last
 calls repeat their bound launches), kda_verify, gdn_decode, gdn_spec_decode_snapshot, an
 align-mode grouped commit of two KV-cache groups with conv compaction (repeated with the same
-tensors, which repeats the bound launch), a bf16 commit and a mixed GDN + KDA commit.
+tensors, which repeats the bound launch), a bf16 commit and a mixed GDN + KDA commit; deferred
+commits (verify and conv verify replaying the pending step, defer, flush), also with adversarial
+pending rows and a plan of out-of-range values.
 Adversarial (``check=False``: shapes are checked, values are not): slots between ``null_slot`` and
 0, past the pool, the int32 extremes; ``query_start_loc`` that decreases, runs past the tokens,
 or is negative; ``num_accepted`` negative and huge; request rows out of range; block tables with
@@ -81,6 +83,46 @@ def legal_calls() -> None:
                                 query_start_loc=w.query_start_loc, snapshot_slots=snaps, **w.gates())
 
 
+def deferred_calls() -> None:
+    """A context that defers its commits, four steps of verify with the pending step (conv and
+    GDN, with one layout, so that the last steps repeat their bound launches) and defer, a flush
+    of one row, then adversarial pending rows and a plan of out-of-range values, checks off."""
+    H, HV, K, V, T, R = 4, 8, 64, 64, 4, 6
+    w = window(R, T, H, HV, K, V, extra_slots=4)
+    full_state, state = guarded(w.state.clone())
+    full_conv, conv = guarded(torch.randn(state.shape[0], 32, 3 + T, device="cuda"))
+    records = rs.ReplayRecords.allocate(R, T, H, HV, K, V, device="cuda", buffers=2)
+    ctx = rs.CommitContext([[rs.LayerCache(state, records, conv, conv_width=4)]], max_batch=R, deferred=True)
+    x = torch.randn(R * T, 32, device="cuda")
+    weight = torch.randn(32, 4, device="cuda")
+    rows = torch.arange(R, dtype=I32, device="cuda")
+    accepted = torch.tensor([1, 2, 3, 4, 2, 1], dtype=I32, device="cuda")
+    out = torch.empty_like(w.v)
+    for step in range(4):
+        rs.conv_verify(x, conv, weight, None, state_indices=w.state_indices, query_start_loc=w.query_start_loc,
+                       pending=ctx.pending, pending_rows=rows)
+        rs.gdn_verify(w.q, w.k, w.v, state=state, state_indices=w.state_indices, query_start_loc=w.query_start_loc,
+                      records=records, out=out, pending=ctx.pending, pending_rows=rows, **w.gates())
+        ctx.defer(accepted, w.state_indices, w.query_start_loc, check=step < 2)
+    ctx.flush(torch.tensor([2], dtype=I32, device="cuda"))
+    # adversarial: rows out of range and repeated, a plan with slots past the pool, lengths huge
+    bad_rows = torch.tensor([INT32_MAX, -2, 0, R, INT32_MIN, 0], dtype=I32, device="cuda")
+    plan = ctx.pending.plan
+    plan[0, 0] = torch.tensor([INT32_MAX, -5, 3, 2, 1, 4], dtype=I32)
+    plan[0, 1] = torch.tensor([0, 1, INT32_MAX, -2, 4, INT32_MIN], dtype=I32)
+    plan[0, 2] = torch.tensor([1, INT32_MIN, 3, 9999, 5, 2], dtype=I32)
+    plan[0, 3] = torch.tensor([INT32_MAX, 2, -1, 4, NULL, 0], dtype=I32)
+    plan[0, 4] = torch.tensor([INT32_MAX, INT32_MIN, 2, -3, 7, 1], dtype=I32)
+    rs.conv_verify(x, conv, weight, None, state_indices=w.state_indices, query_start_loc=w.query_start_loc,
+                   pending=ctx.pending, pending_rows=bad_rows, check=False)
+    rs.gdn_verify(w.q, w.k, w.v, state=state, state_indices=w.state_indices, query_start_loc=w.query_start_loc,
+                  records=records, out=out, pending=ctx.pending, pending_rows=bad_rows, check=False, **w.gates())
+    ctx.flush(bad_rows, check=False)
+    torch.cuda.synchronize()
+    assert_guards("deferred state", full_state)
+    assert_guards("deferred conv_state", full_conv)
+
+
 def adversarial_calls() -> None:
     H, HV, K, V, T, R = 4, 8, 64, 64, 4, 8
     slots = torch.tensor([NULL + 1, -1, 5, INT32_MAX, INT32_MIN, 1, 6, 2], dtype=I32, device="cuda")
@@ -128,10 +170,11 @@ def adversarial_calls() -> None:
 
 def main() -> None:
     legal_calls()
+    deferred_calls()
     adversarial_calls()
     torch.cuda.synchronize()
     print("sanitize case ran: every kernel on legal inputs (the repeated commit through its bound launch, bf16, "
-          "GDN + KDA), then with adversarial indices and value checks off; guard slots intact")
+          "GDN + KDA, deferred commits), then with adversarial indices and value checks off; guard slots intact")
 
 
 if __name__ == "__main__":
