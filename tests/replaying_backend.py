@@ -14,7 +14,7 @@ import threading
 
 import torch
 
-from recoverssm.core.backend import Backend, Committer, GateInputs, GroupStep, Launch
+from recoverssm.core.backend import Backend, Committer, GateInputs, GroupStep, Launch, PendingInputs
 from recoverssm.core.hookspecs import hookimpl
 from recoverssm.core.layout import tensor_at, tensor_layout
 from recoverssm.core.registry import registry
@@ -42,6 +42,8 @@ def freeze(value):
                           kind=value.kind, lower_bound=value.lower_bound)
     if isinstance(value, GroupStep):
         return GroupStep(*(freeze(getattr(value, n)) for n in GroupStep.__slots__))
+    if isinstance(value, PendingInputs):
+        return PendingInputs(*(freeze(getattr(value, n)) for n in PendingInputs.__slots__))
     return value
 
 
@@ -56,6 +58,8 @@ def thaw(value):
                           kind=value.kind, lower_bound=value.lower_bound)
     if isinstance(value, GroupStep):
         return GroupStep(*(thaw(getattr(value, n)) for n in GroupStep.__slots__))
+    if isinstance(value, PendingInputs):
+        return PendingInputs(*(thaw(getattr(value, n)) for n in PendingInputs.__slots__))
     return value
 
 
@@ -79,32 +83,32 @@ class ReplayingBackend(Backend):
     def ref() -> Backend:
         return registry().resolve("cpu_ref", "cpu")[0]
 
-    def _through_op(self, bind: bool, run, args):
+    def _through_op(self, bind: bool, run, args, **kwargs):
         with self._lock:
             self.calls += 1
             self.binds.append(bind)
-        run(*args)
+        run(*args, **kwargs)
         if not bind:
             return None
-        frozen = freeze(args)
+        frozen, frozen_kwargs = freeze(args), {n: freeze(v) for n, v in kwargs.items()}
 
         def launch() -> bool:
             if self.refuse:
                 return False
             with self._lock:
                 self.repeats += 1
-            run(*thaw(frozen))
+            run(*thaw(frozen), **{n: thaw(v) for n, v in frozen_kwargs.items()})
             return True
         return Launch(launch) if self.returns == "launch" else launch
 
-    def conv_verify(self, *args, bind=False):
-        return self._through_op(bind, self.ref().conv_verify, args)
+    def conv_verify(self, *args, pending=None, bind=False):
+        return self._through_op(bind, self.ref().conv_verify, args, pending=pending)
 
     def conv_decode(self, *args, bind=False):
         return self._through_op(bind, self.ref().conv_decode, args)
 
-    def recurrence(self, *args, bind=False):
-        return self._through_op(bind, self.ref().recurrence, args)
+    def recurrence(self, *args, pending=None, bind=False):
+        return self._through_op(bind, self.ref().recurrence, args, pending=pending)
 
     def plan_commit(self, *args):
         self.ref().plan_commit(*args)
