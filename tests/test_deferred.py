@@ -12,7 +12,7 @@ import torch
 import recoverssm as rs
 
 from deferred_sim import Engine, Setup
-from helpers import backends
+from helpers import backends, device_of
 
 SETUPS = {
     "gdn+kda fp32": Setup(),
@@ -26,7 +26,7 @@ SETUPS = {
 @pytest.mark.parametrize("setup", sorted(SETUPS))
 def test_deferred_steps_give_the_eager_bits(backend, setup):
     s = SETUPS[setup]
-    s = Setup(**{**s.__dict__, "backend": backend})
+    s = Setup(**{**s.__dict__, "backend": backend, "device": device_of(backend)})
     steps = 10 if backend == "cpu_ref" else 5
     engine = Engine(s, seed=sorted(SETUPS).index(setup))
     for i in range(steps):

@@ -18,7 +18,7 @@ from typing import Optional, Union
 import pluggy
 import torch
 
-from . import hookspecs
+from . import environment, hookspecs
 from .backend import Backend
 
 ENV_BACKEND = "RECOVERSSM_BACKEND"
@@ -113,7 +113,7 @@ class Registry:
         environment variables the backends list."""
         if self._backends is None:
             self.backends()
-        return self._generation, _read_environment(self._environment)
+        return self._generation, environment.read_all(self._environment)
 
     # ---- queries --------------------------------------------------------------------------------
     def available_backends(self) -> list[str]:
@@ -159,7 +159,7 @@ class Registry:
         if self._backends is None:
             self.backends()
         key = (backend if not isinstance(backend, Backend) else id(backend), dev_type,
-               _read_environment(self._environment))
+               environment.read_all(self._environment))
         hit = self._resolved.get(key)
         if hit is not None and (not isinstance(backend, Backend) or hit[0] is backend):
             return hit
@@ -192,16 +192,6 @@ class Registry:
                 f"backend {chosen.name!r} ({why}) cannot serve tensors on device type {dev_type!r} "
                 f"(it serves {', '.join(chosen.device_types)}); available: {self._describe_available()}")
         return chosen, why
-
-
-def _read_environment(names: tuple[str, ...]) -> tuple:
-    """The values of these environment variables. Every op asks (through ``Registry.resolve``), so
-    this reads CPython's underlying mapping of ``os.environ`` where there is one (the same values,
-    without encoding each name per call)."""
-    raw = getattr(os.environ, "_data", None)
-    if isinstance(raw, dict) and os.name == "posix":
-        return tuple([raw.get(name.encode()) for name in names])
-    return tuple([os.environ.get(name) for name in names])
 
 
 _REGISTRY = Registry()

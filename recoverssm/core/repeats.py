@@ -40,12 +40,12 @@ several threads, and where layouts do not repeat it measures its hit rate and re
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
+from . import environment
 from .backend import Launch
 from .layout import layout_key
 from .registry import registry
@@ -53,19 +53,11 @@ from .validation import wants_value_checks
 from .writes import count_writes, writes_inference_tensor, written_tensors
 
 ENV_REPEATS = "RECOVERSSM_REPEATS"
-_OFF_VALUES = ("0", "false", "False", "off", b"0", b"false", b"False", b"off")
-# Every lookup reads the variable: through the mapping under ``os.environ`` where CPython keeps
-# one (the same values, without encoding the name per call).
-_ENVIRON = getattr(os.environ, "_data", None) if os.name == "posix" else None
-if isinstance(_ENVIRON, dict):
-    _ENV_KEY = ENV_REPEATS.encode()
-else:  # pragma: no cover - not CPython on POSIX
-    _ENVIRON, _ENV_KEY = os.environ, ENV_REPEATS
 
 
 def _environment_allows() -> bool:
     """``RECOVERSSM_REPEATS`` is unset or not one of ``0, false, False, off``."""
-    return _ENVIRON.get(_ENV_KEY) not in _OFF_VALUES
+    return not environment.is_off(ENV_REPEATS)
 
 
 def call_key(op: str, args: Sequence) -> Optional[tuple]:

@@ -12,11 +12,11 @@ CUDA graph is being captured. Without them, kernels follow the index rule of ``c
 """
 from __future__ import annotations
 
-import os
 from typing import Iterable, Optional, Sequence
 
 import torch
 
+from . import environment
 from .indices import INT32_MAX, INT32_MIN, is_slot
 from .layout import layout_key
 
@@ -35,7 +35,7 @@ def wants_value_checks(check: Optional[bool], device: torch.device) -> bool:
     if device.type == "cpu":
         return True
     if check is None:
-        check = os.environ.get(ENV_CHECK, "0") not in ("", "0", "false", "False")
+        check = environment.is_on(ENV_CHECK)
     return bool(check) and not _capturing(device)
 
 
