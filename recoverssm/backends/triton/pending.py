@@ -43,7 +43,7 @@ def verify_rows(row, slot, live, parity_ptr, pending_rows_ptr, plan_ptr, plan_ro
     zero = tl.full([], 0, tl.int32)
     write_row = row.to(tl.int64)
     read_row = write_row
-    prev, n, source, final, boundary, boundary_len = zero, zero, slot, slot, slot, zero
+    prev, n, source, final, boundary, boundary_len = zero, zero, slot, slot, null_slot + zero, zero
     if record_rows > 0:
         parity = tl.load(parity_ptr).to(tl.int64)
         write_row += parity * record_rows
