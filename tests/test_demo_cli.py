@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -84,6 +85,75 @@ def test_demo_cli_json(capsys):
     summary = json.loads(capsys.readouterr().out)
     assert summary["ok"] and summary["tokens_match"] and summary["backend"] == "cpu_ref"
     assert summary["memory"]["slots_per_request_snapshot"] == 3
+    assert summary["deferred"] is False and summary["replayed_rows"] == summary["flushed_rows"] == 0
+
+
+# ---- demo --deferred ----------------------------------------------------------------------------------
+def _row_commits(res) -> int:
+    """Row commits of a run: one per request per prefill round with a non-empty chunk (prompt minus
+    its last token, in windows of k + 1), one per request per step (accepted drafts + 1 >= 1)."""
+    T = res.config.draft_tokens + 1
+    return sum(-(-(len(p) - 1) // T) for p in res.prompts) + len(res.steps) * res.config.requests
+
+
+def test_deferred_demo_is_bit_identical_to_per_token_decoding():
+    """Every step's commit deferred into the next step's verify: the same tokens, logits and
+    states (checked once written) as the per-token path, and as the eager run."""
+    cfg = dict(draft_tokens=3, steps=6, requests=4)      # windows cross block boundaries
+    eager = run_demo(tiny_config(**cfg))
+    res = run_demo(tiny_config(**cfg, deferred=True))
+    assert res.ok and res.tokens == res.ref_tokens == eager.tokens
+    assert [s.accepted for s in res.steps] == [s.accepted for s in eager.steps]
+    # the same comparisons (each step's slots checked one step later, the last after the flush)
+    assert (res.compared_slots, res.compared_logits, res.prefix_blocks_checked) == \
+        (eager.compared_slots, eager.compared_logits, eager.prefix_blocks_checked)
+    assert sum(s.boundary_writes for s in res.steps) > 0
+    # every row commit but the last step's was replayed by the next verify; the last step's
+    # (every request emits a token) were flushed when the run ended
+    assert res.flushed_rows == res.config.requests
+    assert res.replayed_rows + res.flushed_rows == _row_commits(res) and res.replayed_rows > 0
+    assert eager.replayed_rows == eager.flushed_rows == 0
+    # double-buffered records
+    assert res.memory["recoverssm_records"] == 2 * eager.memory["recoverssm_records"]
+
+
+def test_deferred_demo_without_steps_flushes_the_prefill():
+    res = run_demo(tiny_config(steps=0, deferred=True))
+    assert res.ok and res.flushed_rows > 0 and res.replayed_rows + res.flushed_rows == _row_commits(res)
+
+
+def test_deferred_demo_detects_a_one_ulp_difference(monkeypatch):
+    """A state nudged by one ulp after the verify replayed it is caught by the deferred check."""
+    original = SpecEngine.forward
+
+    def corrupting_forward(self, windows):
+        out = original(self, windows)
+        layer = self.layers_of[1][0]
+        s = self.state[layer][self.source[1][0]]           # where the replay put request 0's state
+        s[0, 0, 0] = torch.nextafter(s[0, 0, 0], torch.tensor(float("inf")))
+        return out
+
+    monkeypatch.setattr(SpecEngine, "forward", corrupting_forward)
+    with pytest.raises(DemoMismatch, match="replayed by .* verify.*recurrent state"):
+        run_demo(tiny_config(steps=2, deferred=True))
+
+
+def test_demo_cli_deferred_json(capsys):
+    rc = cli.main(["demo", "--device", "cpu", "--requests", "2", "--draft-tokens", "2", "--steps", "2",
+                   "--layers", "2", "--deferred", "--json"])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["ok"] and summary["tokens_match"] and summary["deferred"] is True
+    assert summary["config"]["deferred"] is True
+    assert summary["replayed_rows"] > 0 and summary["flushed_rows"] == 2
+
+
+def test_demo_cli_deferred_text(capsys):
+    assert cli.main(["demo", "--device", "cpu", "--requests", "2", "--draft-tokens", "1", "--steps", "2",
+                     "--layers", "1", "--deferred"]) == 0
+    out = capsys.readouterr().out
+    assert "one defer per step" in out and "verify+defer rounds" in out
+    assert "pending row commits replayed inside the next step's verify, 2 flushed at the end" in out
 
 
 @pytest.mark.parametrize("present, want", [(("cuda", "xpu"), "cuda"), (("xpu",), "xpu"), ((), "cpu")])
@@ -172,6 +242,72 @@ def test_check_catches_a_backend_that_is_not_bit_exact(capsys):
                    for i in report["items"])
 
 
+#: the items of every deferred case (``recoverssm/check/deferred.py``)
+DEFERRED_ITEMS = {"deferred outputs == own eager (every step)", "deferred states == own eager (after flush)",
+                  "deferred conv states == own eager (after flush)", "deferred outputs vs cpu_ref",
+                  "deferred states vs cpu_ref", "deferred conv histories vs cpu_ref"}
+
+
+def _deferred_items(report: dict) -> dict[str, list[dict]]:
+    """The deferred cases' items, by case."""
+    cases: dict[str, list[dict]] = {}
+    for item in report["items"]:
+        if item["case"].startswith("deferred"):
+            cases.setdefault(item["case"], []).append(item)
+    return cases
+
+
+def test_check_covers_deferred_commits_on_cpu_ref(capsys):
+    """The deferred check runs random step sequences deferring against eager: every item passes,
+    and the sequences replayed, flushed and (align mode) stored block-boundary states."""
+    rc = cli.main(["check", "--backend", "cpu_ref", "--device", "cpu", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    cases = _deferred_items(report)
+    assert rc == 0 and len(cases) == 2 and any("align bs" in c for c in cases)
+    for case, items in cases.items():
+        assert {i["name"] for i in items if i["status"] == "pass"} == DEFERRED_ITEMS, items
+        note = next(i["note"] for i in items if i["name"] == "deferred outputs == own eager (every step)")
+        counts = [int(n) for n in re.findall(r"\d+", note)]
+        assert len(counts) == (3 if "align bs" in case else 2) and min(counts) > 0, note
+
+
+class _OneUlpOffReplay(CpuRefBackend):
+    """cpu_ref whose verify nudges each state it replayed from a pending step by one ulp of the
+    state's dtype: every other op is cpu_ref's, so only the deferred check can notice."""
+
+    name = "cpu_ref_replay_off_by_one_ulp"
+
+    def recurrence(self, mode, q, k, v, state, state_indices, *args, pending=None, **kwargs):
+        super().recurrence(mode, q, k, v, state, state_indices, *args, pending=pending, **kwargs)
+        if pending is None or pending.rows is None:
+            return
+        commit_len = pending.plan[0, 0].tolist()
+        for slot, prev in zip(state_indices.tolist(), pending.rows.tolist()):
+            if slot >= 0 and prev >= 0 and commit_len[prev] > 0:
+                state.view({2: torch.int16, 4: torch.int32}[state.element_size()])[slot, 0, 0, 0] += 1
+
+
+class _ReplayPlugin:
+    @hookimpl
+    def recoverssm_backends(self):
+        return [_OneUlpOffReplay()]
+
+
+def test_check_catches_a_replay_that_is_not_bit_exact(capsys):
+    registry().register(_ReplayPlugin(), name="test-replay-off-by-one-ulp")
+    try:
+        rc = cli.main(["check", "--backend", _OneUlpOffReplay.name, "--device", "cpu", "--json"])
+    finally:
+        registry().unregister("test-replay-off-by-one-ulp")
+    report = json.loads(capsys.readouterr().out)
+    failed = {(i["case"], i["name"]) for i in report["items"] if i["status"] != "pass"}
+    assert rc == 1 and not report["passed"]
+    assert {case for case, _ in failed} == set(_deferred_items(report))      # only the deferred cases
+    names = {name for _, name in failed}
+    assert "deferred states == own eager (after flush)" in names
+    assert all("own eager" in name for name in names)      # within tolerance of cpu_ref all the same
+
+
 def _cuda_backend_under_interpreter() -> bool:
     if os.environ.get("TRITON_INTERPRET") != "1":
         return False
@@ -193,6 +329,10 @@ def test_check_cuda_backend_under_the_interpreter(capsys):
     passed = {i["name"] for i in report["items"] if i["status"] == "pass"}
     assert {"kda_verify out vs cpu_ref", "kda_decode state vs cpu_ref", "conv_decode out vs cpu_ref",
             "conv_decode history == own conv_verify window"} <= passed
+    # the deferred check: the kernels deferring against their own eager path, and against cpu_ref
+    cases = _deferred_items(report)
+    assert len(cases) == 2 and all({i["name"] for i in items if i["status"] == "pass"} == DEFERRED_ITEMS
+                                   for items in cases.values()), cases
 
 
 # ---- bench -----------------------------------------------------------------------------------------

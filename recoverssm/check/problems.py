@@ -343,3 +343,60 @@ class PlanCase:
     @property
     def label(self) -> str:
         return f"plan_commit {self.count} random steps"
+
+
+# ------------------------------------------------------------------------------------------------
+# deferred commits: a random sequence of engine steps, deferring against eager
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DeferredCase:
+    """``steps`` engine steps (``sequence.py``): requests join, leave and sit steps out, rows are
+    ragged (windows of up to ``T`` tokens, up to ``max_batch`` rows), some are padding. One layer
+    of each of ``kinds``, each with a conv of ``conv_width``; layer ``l`` in KV-cache group
+    ``l % len(block_sizes)``. ``align``: prefix caching, block size ``block_sizes[g]`` in group
+    ``g`` (without it the block sizes only count the groups)."""
+
+    kinds: tuple[str, ...] = ("gdn", "kda")
+    block_sizes: tuple[int, ...] = (3,)
+    align: bool = False
+    steps: int = 6
+    max_batch: int = 4
+    T: int = 3
+    H: int = 1
+    HV: int = 2
+    K: int = 8
+    V: int = 8
+    conv_width: int = 3
+    state_dtype: torch.dtype = torch.float32
+    lower_bound: Optional[float] = None          # KDA layers' bounded gate (None: softplus)
+
+    @property
+    def groups(self) -> int:
+        return len(self.block_sizes)
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.H * self.K + self.HV * self.V
+
+    def gate_shape(self, kind: str) -> tuple[int, ...]:
+        return (self.HV,) if kind == "gdn" else (self.HV, self.K)
+
+    def proj_width(self, kind: str) -> int:
+        """Columns of a layer's fused input: conv channels, gate inputs ``a``, ``b``, and one
+        more (an odd row stride, as an engine's fused in-projection may give)."""
+        return self.conv_dim + math.prod(self.gate_shape(kind)) + self.HV + 1
+
+    def capabilities(self) -> tuple[str, ...]:
+        caps = ("deferred", "commit", "conv_verify") + tuple(sorted(set(self.kinds)))
+        if "kda" in self.kinds:
+            caps += ("vector_decay",)
+        if self.state_dtype == torch.bfloat16:
+            caps += ("bf16_state",)
+        return caps
+
+    @property
+    def label(self) -> str:
+        lb = "" if self.lower_bound is None else f" lb{self.lower_bound:g}"
+        mode = "align bs " + "/".join(map(str, self.block_sizes)) if self.align else "non-align"
+        return (f"deferred {self.steps} steps {'+'.join(self.kinds)}{lb} {self.groups}G H{self.H}/{self.HV} "
+                f"K{self.K} V{self.V} B{self.max_batch} T{self.T} state {dtype_name(self.state_dtype)} {mode}")

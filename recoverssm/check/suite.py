@@ -10,16 +10,17 @@ from recoverssm.core.registry import registry
 
 from .align import check_align
 from .conv import check_conv, check_conv_decode
+from .deferred import check_deferred
 from .plans import check_plans
-from .problems import AlignCase, ConvCase, ConvDecodeCase, PlanCase, RecurrenceCase
+from .problems import AlignCase, ConvCase, ConvDecodeCase, DeferredCase, PlanCase, RecurrenceCase
 from .recurrence import check_recurrence
 from .report import Report
 
-Case = Union[RecurrenceCase, ConvCase, ConvDecodeCase, AlignCase, PlanCase]
+Case = Union[RecurrenceCase, ConvCase, ConvDecodeCase, AlignCase, PlanCase, DeferredCase]
 
 #: the checker of each kind of case; each takes ``(report, case, backend, device, gen, rng)``
 CHECKERS = {RecurrenceCase: check_recurrence, ConvCase: check_conv, ConvDecodeCase: check_conv_decode,
-            AlignCase: check_align, PlanCase: check_plans}
+            AlignCase: check_align, PlanCase: check_plans, DeferredCase: check_deferred}
 
 
 def cases(device: torch.device) -> list[Case]:
@@ -43,6 +44,9 @@ def cases(device: torch.device) -> list[Case]:
         AlignCase(lengths=(3, 4), state_dtype=bf16, block_sizes=(3, 4)),
         AlignCase(kind="kda", lengths=(4, 2, 3), H=2, HV=2, K=16, V=16, block_sizes=(2, 3), lower_bound=-5.0),
         PlanCase(),
+        DeferredCase(),
+        DeferredCase(kinds=("kda", "gdn"), block_sizes=(2, 3), align=True, max_batch=5, state_dtype=bf16,
+                     lower_bound=-5.0),
     ]
     if device.type != "cpu":
         suite += [
@@ -59,6 +63,8 @@ def cases(device: torch.device) -> list[Case]:
             AlignCase(lengths=(6, 6, 2, 6), block_sizes=(4, 16), H=4, HV=8, K=64, V=128,
                       state_dtype=bf16, permute=True),
             AlignCase(kind="kda", lengths=(4,) * 8, block_sizes=(8, 5), layers=4, H=8, HV=8, K=128, V=128),
+            DeferredCase(kinds=("gdn", "kda", "gdn", "kda"), block_sizes=(4, 8), align=True, steps=10, max_batch=8,
+                         T=4, H=2, HV=4, K=128, V=128, conv_width=4),
         ]
     return suite
 

@@ -7,6 +7,8 @@
 * :mod:`.reference`: the per-token path (``rs.gdn_decode`` or ``rs.kda_decode`` and
   ``rs.conv_decode``, one token per call).
 * :mod:`.checks`: the bit-identity checks between the two paths.
+* :mod:`.deferred`: when a step's slots are checked (``--deferred``: once its deferred commit has
+  been replayed by the next verify or flushed).
 * :mod:`.run`: the loop (prefill, then one checked step at a time).
 * :mod:`.tp`: the same loop under tensor parallelism, one process per rank.
 * :mod:`.report` and :mod:`.cli`: what the command prints, and the command line of both front ends.

@@ -51,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default: 1; the demo's ops are tiny, and extra intra-op "
                         "threads only add synchronisation, which spins badly on a busy machine)")
+    p.add_argument("--deferred", action="store_true",
+                   help="defer each step's commit into the next step's verify (CommitContext(deferred=True): "
+                        "double-buffered records, finished requests flushed); the same bit-identity checks")
     p.add_argument("--json", action="store_true", help="print a machine-readable summary on stdout")
     p.add_argument("--tp", type=int, default=None, metavar="N",
                    help="tensor parallelism over N ranks, one process each: start with torchrun "
@@ -77,7 +80,8 @@ def demo_config(args: argparse.Namespace, device: torch.device) -> DemoConfig:
     """The :class:`DemoConfig` the arguments ask for, on ``device``."""
     return DemoConfig(requests=args.requests, draft_tokens=args.draft_tokens, steps=args.steps,
                       seed=args.seed, device=str(device), backend=args.backend,
-                      ref_conv=args.ref_conv, model=model_config(args.arch, args.layers, args.lower_bound))
+                      ref_conv=args.ref_conv, deferred=args.deferred,
+                      model=model_config(args.arch, args.layers, args.lower_bound))
 
 
 class Printer:

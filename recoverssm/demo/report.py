@@ -30,12 +30,23 @@ def intro_lines(cfg: DemoConfig, backend_name: str, reason: str, ref_conv: str) 
              f"model: {mcfg.describe()}, seed {cfg.seed}",
              f"speculative path: rs.conv_verify + rs.{mcfg.arch}_verify per window; "
              f"per-token path: {per_token_ops(mcfg, ref_conv)}, one token per call"]
+    ending = "one defer per step" if cfg.deferred else "one commit per step"
     if mcfg.num_layers > 1:
         lines.append(f"KV-cache groups: even layers (block size {cfg.block_sizes[0]}), odd layers "
-                     f"(block size {cfg.block_sizes[1]}); align mode (prefix caching), one commit per step")
+                     f"(block size {cfg.block_sizes[1]}); align mode (prefix caching), {ending}")
     else:
-        lines.append(f"one KV-cache group (block size {cfg.block_sizes[0]}); align mode (prefix caching)")
-    return lines
+        lines.append(f"one KV-cache group (block size {cfg.block_sizes[0]}); align mode (prefix caching)"
+                     + (f", {ending}" if cfg.deferred else ""))
+    return lines + deferred_intro(cfg)
+
+
+def deferred_intro(cfg: DemoConfig) -> list[str]:
+    """How a deferred run commits (nothing without ``--deferred``)."""
+    if not cfg.deferred:
+        return []
+    return ["deferred commits: each step's commit is replayed by the next step's verify of every layer "
+            "(double-buffered records), everything pending flushed at the end; a step's slots are "
+            "checked once written"]
 
 
 def tp_intro_lines(cfg: DemoConfig, world: int, device_type: str, backend_name: str, reason: str,
@@ -52,7 +63,7 @@ def tp_intro_lines(cfg: DemoConfig, world: int, device_type: str, backend_name: 
         f"embedding, MLP, head and sampling replicated",
         f"reference: each rank's own per-token path on the same shard ({per_token_ops(mcfg, ref_conv)}, "
         f"same all-reduces)",
-    ]
+    ] + deferred_intro(cfg)
 
 
 def step_table(requests: int) -> Table:
@@ -78,11 +89,12 @@ class StepPrinter:
 
     def __init__(self, out: Callable[[str], None], cfg: DemoConfig, bar: ProgressBar, prefill_note: str = ""):
         self.out, self.bar, self.prefill_note = out, bar, prefill_note
+        self.ending = "defer" if cfg.deferred else "commit"
         self.table = step_table(cfg.requests)
         self.header_done = False
 
     def on_prefill(self, rounds: int) -> None:
-        self.out(f"prefill: prompts minus their last token in {rounds} verify+commit rounds, "
+        self.out(f"prefill: prompts minus their last token in {rounds} verify+{self.ending} rounds, "
                  f"bit-identical to per-token decoding{self.prefill_note}")
 
     def on_step(self, s: StepStats) -> None:
@@ -119,7 +131,15 @@ def summary_lines(res: DemoResult) -> list[str]:
         f"per-token reference {ref_ms:.1f} ms",
         f"bit-identity: OK: {res.compared_slots} state/conv slot comparisons, {res.compared_logits} logits rows, "
         f"tokens equal, {res.prefix_blocks_checked} cached blocks intact at the end",
-    ]
+    ] + deferred_lines(res)
+
+
+def deferred_lines(res: DemoResult) -> list[str]:
+    """What the deferred commits did (nothing without ``--deferred``)."""
+    if not res.config.deferred:
+        return []
+    return [f"deferred commits: {res.replayed_rows} pending row commits replayed inside the next step's verify, "
+            f"{res.flushed_rows} flushed at the end of the run"]
 
 
 def tp_lines(tpr: TPDemoResult) -> list[str]:

@@ -18,6 +18,11 @@ After every step the demo checks with ``torch.equal`` that
 and at the end that every prefix-cache block written during the run still holds its state. Any
 difference raises :class:`DemoMismatch` (the CLI exits 1 with its message).
 
+``deferred=True`` (``--deferred``): the same loop with a context that defers its commits: each
+step ends with ``CommitContext.defer``, the next step's verify of every layer replays it first,
+and everything pending is flushed when the run ends (every request finishes then). The checks
+are the same; a step's slots are read once its commit has run (:mod:`recoverssm.demo.deferred`).
+
 Why the two paths can agree bit for bit: the recurrence is exact by the library's design (the
 records hold the very values the per-token step used; the commit replays them with the same
 fused multiply-add). What remains is to feed both paths the same bits: every non-recurrent op runs
@@ -38,6 +43,7 @@ import torch
 from recoverssm.core.registry import registry
 
 from .checks import DemoMismatch, SlotChecker, expect_equal
+from .deferred import CommitChecks, boundary_writes
 from .draft import NgramDraft
 from .model import ModelConfig, TinyModel
 from .reference import ReferenceEngine
@@ -63,6 +69,7 @@ class DemoConfig:
     draft_weight_noise: tuple[float, ...] = (0.02, 0.1, 0.3, 0.6)
     draft_token_noise: tuple[float, ...] = (0.0, 0.1, 0.2, 0.3)
     ref_conv: str = "auto"                     # "kernel", "torch", or "auto" (see resolve_ref_conv)
+    deferred: bool = False                     # defer each step's commit into the next step's verify
     model: ModelConfig = field(default_factory=ModelConfig)
 
 
@@ -72,10 +79,10 @@ class StepStats:
     emitted: list[int]          # tokens added per request (accepted drafts + 1)
     accepted: list[int]         # accepted drafts per request
     drafted: int                # drafts proposed per request
-    spec_ms: float              # draft + verify + plan + commit
+    spec_ms: float              # draft + verify + plan + commit (or defer)
     ref_ms: float               # per-token reference path
-    compared: int               # slot comparisons (state + conv per layer) this step
-    boundary_writes: int        # block-boundary states the commit stored
+    compared: int               # slot comparisons (state + conv per layer) this step (deferred: of the step before)
+    boundary_writes: int        # block-boundary states the step's commit stores
 
 
 @dataclass
@@ -93,6 +100,8 @@ class DemoResult:
     compared_logits: int
     prefix_blocks_checked: int
     memory: dict
+    replayed_rows: int = 0           # deferred: pending row commits the next step's verify replayed
+    flushed_rows: int = 0            # deferred: pending row commits a flush committed
     ok: bool = True
 
     @property
@@ -122,6 +131,8 @@ class DemoResult:
             "acceptance_per_request": self.acceptance_per_request(),
             "compared_slots": self.compared_slots, "compared_logits": self.compared_logits,
             "prefix_blocks_checked": self.prefix_blocks_checked, "memory": self.memory,
+            "deferred": self.config.deferred, "replayed_rows": self.replayed_rows,
+            "flushed_rows": self.flushed_rows,
         }
 
 
@@ -195,9 +206,11 @@ class DemoLoop:
         rng = random.Random(cfg.seed + 1)
         self.prompts = [[rng.randrange(vocab) for _ in range(rng.randint(*cfg.prompt_len))] for _ in range(R)]
         max_tokens = max(len(p) for p in self.prompts) + cfg.steps * self.T + 1
-        self.spec = SpecEngine(model, R, self.T, cfg.block_sizes, max_tokens, backend, seed=cfg.seed + 2)
+        self.spec = SpecEngine(model, R, self.T, cfg.block_sizes, max_tokens, backend, seed=cfg.seed + 2,
+                               deferred=cfg.deferred)
         self.ref = ReferenceEngine(model, R, backend, ref_conv, self.spec.block_sizes, self.spec.layers_of)
         self.checker = SlotChecker(self.spec, self.ref)
+        self.commits = CommitChecks(self.spec, self.checker)
         self.drafts = [NgramDraft(model.next_token_table(_cycle(cfg.draft_weight_noise, q), cfg.seed + 3 + q),
                                   vocab, noise=_cycle(cfg.draft_token_noise, q), seed=cfg.seed + 100 + q)
                        for q in range(R)]
@@ -240,10 +253,11 @@ class DemoLoop:
             chunks = [prefix[q][done[q]:done[q] + self.T] for q in range(self.requests)]   # some may be empty
             before = list(self.spec.num_computed)
             logits, qsl = self.spec.forward(chunks)
+            self.commits.verified(where)        # deferred: the previous round's slots are written now
             plans = self.spec.commit([len(c) for c in chunks], qsl)
             self.reference_ticks(where, [len(c) for c in chunks], lambda q, t, gen: chunks[q][t], logits,
                                  qsl.tolist())
-            self.checker.after_commit(where, plans, before)
+            self.commits.committed(where, plans, before)
             for q in range(self.requests):
                 done[q] += len(chunks[q])
         return self.prefill_rounds
@@ -255,6 +269,13 @@ class DemoLoop:
         t0 = time.perf_counter()
         windows = [[self.history[q][-1]] + self.drafts[q].propose(self.history[q], k) for q in range(self.requests)]
         logits, qsl = self.spec.forward(windows)
+        compared_before = self.checker.compared
+        # Deferred: this verify replayed the previous step's commit, and the host reads a row's
+        # slots only once its commit has run (replayed or flushed): they are checked now, untimed.
+        _sync(self.device)
+        t_verified = time.perf_counter()
+        self.commits.verified(where)
+        t_checked = time.perf_counter()
         qsl_host = qsl.tolist()
         accepted, emitted = accept_greedy(windows, logits.argmax(-1).tolist(), qsl_host, k)
         before = list(self.spec.num_computed)
@@ -275,16 +296,17 @@ class DemoLoop:
             if generated[q] != emitted[q]:
                 raise DemoMismatch(f"{where}, request {q}: the speculative path emitted {emitted[q]} "
                                    f"but the per-token path generated {generated[q]}")
-        compared_before = self.checker.compared
-        boundaries = self.checker.after_commit(where, plans, before)
+        self.commits.committed(where, plans, before)
         stats = StepStats(step=step, emitted=[len(e) for e in emitted], accepted=accepted, drafted=k,
-                          spec_ms=1e3 * (t1 - t0), ref_ms=1e3 * (t2 - t1),
-                          compared=self.checker.compared - compared_before, boundary_writes=boundaries)
+                          spec_ms=1e3 * (t_verified - t0 + t1 - t_checked), ref_ms=1e3 * (t2 - t1),
+                          compared=self.checker.compared - compared_before, boundary_writes=boundary_writes(plans))
         self.steps.append(stats)
         return stats
 
     def finish(self, backend_name: str, reason: str, ref_conv: str) -> DemoResult:
-        """Check that every prefix-cache block still holds its state; the run's result."""
+        """(Deferred) flush what is pending and check the last step; check that every
+        prefix-cache block still holds its state; the run's result."""
+        self.commits.finish()
         blocks = self.checker.prefix_cache()
         return DemoResult(
             config=self.cfg, backend=backend_name, backend_reason=reason, ref_conv=ref_conv,
@@ -292,7 +314,8 @@ class DemoLoop:
             ref_tokens=[h[len(p):] for h, p in zip(self.ref_history, self.prompts)],
             prefill_rounds=self.prefill_rounds, steps=self.steps, compared_slots=self.checker.compared,
             compared_logits=self.compared_logits, prefix_blocks_checked=blocks,
-            memory=_memory(self.spec, self.cfg))
+            memory=_memory(self.spec, self.cfg), replayed_rows=self.commits.replayed_rows,
+            flushed_rows=self.commits.flushed_rows)
 
 
 def run_demo(cfg: DemoConfig, on_step: Optional[Callable[[StepStats], None]] = None,

@@ -11,17 +11,25 @@ State layout, as an engine with prefix caching (align mode) holds it:
 * per group and request: the *source slot*, the slot holding the state after the last computed
   token (where the next window is verified from). The commit plan says where the state goes; the
   engine computes the same plan with :func:`recoverssm.plan_commit` to know the next source slots.
+
+``deferred=True`` (``recoverssm demo --deferred``): the context defers its commits. A step ends
+with :meth:`CommitContext.defer` (no state written), and the next step's verify of every layer
+replays it first (``pending=``, ``pending_rows=``); the records are double-buffered. Every request
+keeps its batch row for the whole run, so row ``q`` always continues row ``q``. A deferred row's
+states reach its slots only when that replay or a :meth:`SpecEngine.flush` has run: nothing may
+read them (or reuse the slots) before.
 """
 from __future__ import annotations
 
 import math
 import random
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
 import recoverssm as rs
+from recoverssm.core.types import PLAN_FIELDS
 
 from .model import TinyModel
 
@@ -41,14 +49,16 @@ class SpecEngine:
 
     ``block_sizes``: one block size per KV-cache group (layer ``i`` belongs to group
     ``i % len(block_sizes)``). ``max_tokens``: the most tokens a request will ever compute (sizes
-    the block tables). ``backend``: a backend name or object for every op.
+    the block tables). ``backend``: a backend name or object for every op. ``deferred``: each
+    step's commit is deferred into the next step's verify (see the module docstring).
     """
 
     def __init__(self, model: TinyModel, num_requests: int, max_window: int,
-                 block_sizes: Sequence[int], max_tokens: int, backend, seed: int = 0):
+                 block_sizes: Sequence[int], max_tokens: int, backend, seed: int = 0, deferred: bool = False):
         c = model.cfg
         self.model = model
         self.backend = backend
+        self.deferred = deferred
         self.num_requests = num_requests
         self.max_window = max_window
         # One group per block size, but never an empty group (a 1-layer model has one group).
@@ -80,15 +90,18 @@ class SpecEngine:
                       for i in range(c.num_layers)]
         self.conv_state = [torch.zeros(self.num_slots[self.group_of[i]], c.conv_dim, hist + max_window,
                                        device=dev) for i in range(c.num_layers)]
+        # Deferred: two records buffers, the pending step's and the one this step's verify writes.
         self.records = [rs.ReplayRecords.allocate(num_requests, max_window, c.H, c.HV, c.K, c.V, device=dev,
-                                                  vector_decay=c.vector_decay)
+                                                  vector_decay=c.vector_decay, buffers=2 if deferred else 1)
                         for _ in range(c.num_layers)]
         # Built once: a GPU backend builds its pointer tables here, not per step.
         self.ctx = rs.CommitContext(
             [[rs.LayerCache(self.state[i], self.records[i], conv_state=self.conv_state[i],
                            conv_width=c.conv_width)
               for i in layers] for layers in self.layers_of],
-            max_batch=num_requests, backend=backend)
+            max_batch=num_requests, backend=backend, deferred=deferred)
+        # Deferred: row q of a step continues row q of the step before (a request never changes row).
+        self.pending_rows = torch.arange(num_requests, dtype=torch.int32, device=dev)
         # Nothing computed yet: every request starts from block 0 (zero state, zero conv history).
         self.source = [[row[0] for row in tables] for tables in self.block_tables_host]
         self.num_computed = [0] * num_requests
@@ -98,7 +111,8 @@ class SpecEngine:
         """Verify one window per request (lengths ``0 .. max_window``).
 
         Returns ``logits [T_total, vocab]`` and ``query_start_loc`` int32 ``[R + 1]``. Writes the
-        records of every layer and the window columns of the source slots' conv states; no state.
+        records of every layer and the window columns of the source slots' conv states; no state,
+        except (deferred) the previous step's pending commit, which every layer replays first.
         """
         m, dev = self.model, self.model.device
         lengths = [len(w) for w in windows]
@@ -111,18 +125,26 @@ class SpecEngine:
         for i, w in enumerate(m.layers):
             g = self.group_of[i]
             x = m.in_proj(i, h)
+            pending = self._pending(g)
             y = rs.conv_verify(x.qkv, self.conv_state[i], w.conv_w, w.conv_b, state_indices=sources[g],
-                               query_start_loc=qsl, activation="silu", backend=self.backend)
+                               query_start_loc=qsl, activation="silu", backend=self.backend, **pending)
             q, k, v = m.split_qkv(y)
             o = verify(q, k, v, state=self.state[i], state_indices=sources[g], query_start_loc=qsl,
-                       records=self.records[i], **m.gates(i, x), backend=self.backend)
+                       records=self.records[i], **m.gates(i, x), backend=self.backend, **pending)
             h = m.finish_layer(i, h, o, x.z)
         return m.logits(h), qsl
 
+    def _pending(self, g: int) -> dict:
+        """The verify ops' arguments for the pending step of group ``g`` (none when eager)."""
+        if not self.deferred:
+            return {}
+        return dict(pending=self.ctx.pending[g], pending_rows=self.pending_rows)
+
     def commit(self, num_accepted: Sequence[int], qsl: torch.Tensor) -> list[GroupPlan]:
         """Commit ``num_accepted[q]`` tokens of each request's window into every layer (ONE call
-        for all layers and both groups), then advance the source slots to where the plan put the
-        states. Returns each group's plan (for the checks)."""
+        for all layers and both groups; deferred: ONE ``defer``, the states are written later),
+        then advance the source slots to where the plan puts the states. Returns each group's
+        plan (for the checks)."""
         dev = self.model.device
         na = torch.tensor(list(num_accepted), dtype=torch.int32, device=dev)
         nct = torch.tensor(self.num_computed, dtype=torch.int32, device=dev)
@@ -133,8 +155,9 @@ class SpecEngine:
                                num_computed_tokens=nct, block_size=self.block_sizes[g],
                                num_slots=self.num_slots[g], backend=self.backend)
             plans.append(GroupPlan(**p.as_dict()))
-        self.ctx.commit(na, sources, qsl, block_table=self.block_tables, num_computed_tokens=nct,
-                        block_size=self.block_sizes)
+        end_step = self.ctx.defer if self.deferred else self.ctx.commit
+        end_step(na, sources, qsl, block_table=self.block_tables, num_computed_tokens=nct,
+                 block_size=self.block_sizes)
         for g, p in enumerate(plans):
             for q in range(self.num_requests):
                 if p.commit_len[q] > 0:
@@ -142,6 +165,22 @@ class SpecEngine:
         for q in range(self.num_requests):
             self.num_computed[q] += plans[0].commit_len[q]
         return plans
+
+    def flush(self, requests: Optional[Sequence[int]] = None) -> None:
+        """Deferred: commit now what ``requests`` (default: all) have pending, as a finished
+        request needs before anything reads or reuses its slots."""
+        rows = None if requests is None else torch.tensor(list(requests), dtype=torch.int32,
+                                                          device=self.model.device)
+        self.ctx.flush(rows)
+
+    def pending_rows_counts(self) -> tuple[int, int]:
+        """Deferred: ``(rows with a commit pending, rows of them that every op of every group
+        has replayed)``, read from the context's pending plan (a host copy)."""
+        plan = self.ctx.pending.plan.cpu()                     # [G, fields, R]
+        need = torch.tensor(self.ctx.replays_per_row)[:, None]
+        waiting = (plan[:, 0] > 0).any(0)
+        replayed = ((plan[:, 0] == 0) | (plan[:, PLAN_FIELDS.index("replays")] >= need)).all(0)
+        return int(waiting.sum()), int((waiting & replayed).sum())
 
     # ---- what the checks read ---------------------------------------------------------------------
     def slot_state(self, layer: int, slot: int) -> torch.Tensor:
