@@ -4,13 +4,16 @@ experiment's kernel, or FLA's kernel.
     python benchmarks/ncu_verify.py ours [FIELD=VALUE ...]    # e.g. ours lanes_k=16 rows=4 l2_hints=0
     python benchmarks/ncu_verify.py gluon [VARIANT]           # benchmarks/gluon/recurrence.py (rs8x8 default)
     python benchmarks/ncu_verify.py fla                       # fla.ops.gated_delta_rule, the peer
+    python benchmarks/ncu_verify.py deferred                  # ours, every row replaying a pending step
     python benchmarks/ncu_verify.py --tiny ours rows=4        # CPU tensors, Triton's interpreter, tiny shape
 
 N=64, T=4, HV=48, H=16, K=V=128, fp32 state, bf16 inputs: the benchmark's headline verify case.
 ``ours``: ``gdn_verify`` on the cuda backend, the fields (``config.RecurrenceSpec``: lanes_k, rows,
 warps, small_grid_programs, small_grid_rows, small_grid_max_registers, ptx_widen_bf16, l2_hints)
 replacing the cuda launch table's for fp32 states, through ``tuning.launch_table``. Used by
-``benchmarks/ncu_run.sh``, which profiles the second launch.
+``benchmarks/ncu_run.sh``, which profiles the second launch. ``deferred``: ours with deferred
+commits in the steady state (every row first replays its pending step, accepted counts spread
+over ``1..T`` as in the verify suite's deferred rows).
 """
 import argparse
 import dataclasses
@@ -62,7 +65,7 @@ def gluon_call(w, variant: str):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("kind", choices=["ours", "gluon", "fla"])
+    ap.add_argument("kind", choices=["ours", "deferred", "gluon", "fla"])
     ap.add_argument("fields", nargs="*", metavar="FIELD=VALUE",
                     help="RecurrenceSpec fields (ours); the variant name (gluon)")
     common.add_tiny_arg(ap)
@@ -72,7 +75,7 @@ def main():
     from recoverssm.backends.cuda.launch_table import LAUNCH_TABLE
     from recoverssm.backends.triton.config import RecurrenceSpec
     from recoverssm.backends.triton.tuning import launch_table
-    from recoverssm.bench.problems import window
+    from recoverssm.bench.problems import DeferredLayer, spread_accepted, window
 
     n, t, h, hv, k, v = (2, 2, 2, 4, 16, 16) if args.tiny else (N, T, H, HV, K, V)
     w = window(n, t, h, hv, k, v, device=device)
@@ -80,6 +83,12 @@ def main():
         if args.fields:
             raise SystemExit("fla takes no fields")
         calls = [fla_call(w)] * 2
+        table = LAUNCH_TABLE
+    elif args.kind == "deferred":
+        if args.fields:
+            raise SystemExit("deferred takes no fields")
+        layer = DeferredLayer(w, spread_accepted(n, t, device=device), h, k, v, backend="cuda").warm()
+        calls = [layer.verify] * 2
         table = LAUNCH_TABLE
     elif args.kind == "gluon":
         calls = [gluon_call(w, args.fields[0] if args.fields else "rs8x8")] * 2

@@ -179,26 +179,38 @@ def delta_rule_step(S, k_hat, q_hat, v, beta, decay):
 @triton.jit
 def fetch_token(tok, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, stride_q_t, stride_k_t, stride_v_t, stride_a_t,
                 stride_b_t, q_head, k_head, v_head, a_head, hv, offs_k, mask_k, offs_v, mask_v, offs_g, mask_g,
-                ALIGNED: tl.constexpr, EXACT_K: tl.constexpr, EXACT_V: tl.constexpr, QK_EVICTION: tl.constexpr,
-                VECTOR_DECAY: tl.constexpr):
+                present, ALIGNED: tl.constexpr, EXACT_K: tl.constexpr, EXACT_V: tl.constexpr,
+                QK_EVICTION: tl.constexpr, VECTOR_DECAY: tl.constexpr, CHECKED: tl.constexpr):
     """Issue the loads of one token's inputs, as stored (``k``, ``q`` broadcast over the row
     lanes, ``v``, the two gate inputs: ``a`` a K-vector in the flat gate layout ``offs_g`` under
     ``VECTOR_DECAY``). The token loop fetches token ``t + 1`` before it works on token ``t``, so
-    the loads' latency hides behind a token's arithmetic."""
+    the loads' latency hides behind a token's arithmetic. ``CHECKED``: every load is masked by
+    ``present`` (the first token's fetch, issued before the kernel knows the row has a token:
+    a call may have no token inputs at all)."""
     tok = tok.to(tl.int64)
     k_ptrs = k_ptr + tok * stride_k_t + k_head + offs_k
     q_ptrs = q_ptr + tok * stride_q_t + q_head + offs_k
     if ALIGNED:   # the launcher guarantees 16-byte aligned rows; 4-element groups match the tile
         k_ptrs = tl.max_contiguous(tl.multiple_of(k_ptrs, [1, 1, 8, 8]), [1, 1, 4, 1])
         q_ptrs = tl.max_contiguous(tl.multiple_of(q_ptrs, [1, 1, 8, 8]), [1, 1, 4, 1])
-    k_t = load_masked(k_ptrs, mask_k, EXACT_K, QK_EVICTION)
-    q_t = load_masked(q_ptrs, mask_k, EXACT_K, QK_EVICTION)
-    v_t = load_masked(v_ptr + tok * stride_v_t + v_head + offs_v, mask_v, EXACT_V)
-    if VECTOR_DECAY:
-        a_t = load_masked(a_ptr + tok * stride_a_t + a_head + offs_g, mask_g, EXACT_K)
+    if CHECKED:
+        k_t = load_masked(k_ptrs, tl.where(present, mask_k, False), False, QK_EVICTION)
+        q_t = load_masked(q_ptrs, tl.where(present, mask_k, False), False, QK_EVICTION)
+        v_t = load_masked(v_ptr + tok * stride_v_t + v_head + offs_v, tl.where(present, mask_v, False), False)
+        if VECTOR_DECAY:
+            a_t = load_masked(a_ptr + tok * stride_a_t + a_head + offs_g, tl.where(present, mask_g, False), False)
+        else:
+            a_t = load_masked(a_ptr + tok * stride_a_t + a_head, present, False)
+        b_t = load_masked(b_ptr + tok * stride_b_t + hv, present, False)
     else:
-        a_t = tl.load(a_ptr + tok * stride_a_t + a_head)
-    b_t = tl.load(b_ptr + tok * stride_b_t + hv)
+        k_t = load_masked(k_ptrs, mask_k, EXACT_K, QK_EVICTION)
+        q_t = load_masked(q_ptrs, mask_k, EXACT_K, QK_EVICTION)
+        v_t = load_masked(v_ptr + tok * stride_v_t + v_head + offs_v, mask_v, EXACT_V)
+        if VECTOR_DECAY:
+            a_t = load_masked(a_ptr + tok * stride_a_t + a_head + offs_g, mask_g, EXACT_K)
+        else:
+            a_t = tl.load(a_ptr + tok * stride_a_t + a_head)
+        b_t = tl.load(b_ptr + tok * stride_b_t + hv)
     return k_t, q_t, v_t, a_t, b_t
 
 
@@ -283,20 +295,17 @@ def gate_constants(A_log_ptr, dt_bias_ptr, hv, offs_g, mask_g, K: tl.constexpr, 
 
 
 @triton.jit
-def replay_records(S, corr_row, key_row, decay_row, first, last, offs_v, mask_v, offs_k, mask_k, offs_g, mask_g,
-                   K: tl.constexpr, V: tl.constexpr, ROW_LANES: tl.constexpr, K_INNER: tl.constexpr,
-                   K_CHUNKS: tl.constexpr, EXACT_K: tl.constexpr, EXACT_V: tl.constexpr, VECTOR_DECAY: tl.constexpr):
-    """``S = fma(c_t, k^_t, S * d_t)`` for window positions ``first <= t < last``: the commit's
-    step, elementwise, so the tile's layout changes no bit."""
-    for t in range(first, last):
-        correction = load_masked(corr_row + t * V + offs_v, mask_v, EXACT_V)
-        k_hat = load_masked(key_row + t * K + offs_k, mask_k, EXACT_K)
-        if VECTOR_DECAY:
-            decay = tile_vector(load_masked(decay_row + t * K + offs_g, mask_g, EXACT_K), ROW_LANES, K_INNER, K_CHUNKS)
-        else:
-            decay = tl.load(decay_row + t)
-        S = tl.fma(correction[:, :, None, None], k_hat, S * decay)
-    return S
+def fetch_record(corr_row, key_row, decay_row, t, present, offs_v, mask_v, offs_k, mask_k, offs_g, mask_g,
+                 K: tl.constexpr, V: tl.constexpr, VECTOR_DECAY: tl.constexpr):
+    """Issue the loads of window position ``t``'s replay record (correction ``[ROW_LANES, R]``,
+    key laid out like ``k``, decay: a scalar or KDA's flat K-vector), masked by ``present``."""
+    correction = tl.load(corr_row + t * V + offs_v, mask=tl.where(present, mask_v, False), other=0.0)
+    k_hat = tl.load(key_row + t * K + offs_k, mask=tl.where(present, mask_k, False), other=0.0)
+    if VECTOR_DECAY:
+        decay = tl.load(decay_row + t * K + offs_g, mask=tl.where(present, mask_g, False), other=0.0)
+    else:
+        decay = tl.load(decay_row + t, mask=present, other=0.0)
+    return correction, k_hat, decay
 
 
 @triton.jit
@@ -304,26 +313,37 @@ def replay_pending(S, corr_ptr, key_ptr, decay_ptr, rec_row, hv, h, max_window, 
                    state_ptr, stride_s_slot, stride_s_h, tile, mask_tile, offs_v, mask_v, offs_k, mask_k, offs_g,
                    mask_g, null_slot, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                    ROW_LANES: tl.constexpr, K_INNER: tl.constexpr, K_CHUNKS: tl.constexpr, EXACT: tl.constexpr,
-                   EXACT_K: tl.constexpr, EXACT_V: tl.constexpr, VECTOR_DECAY: tl.constexpr,
-                   INTERPRETED: tl.constexpr):
+                   VECTOR_DECAY: tl.constexpr, INTERPRETED: tl.constexpr):
     """What the commit of a deferred row does to this program's tile, in registers: replay its
-    ``n`` records (records row ``rec_row``), store the boundary state after ``boundary_len``
-    tokens and the final state after ``n``; returns the final state as the next verify reads it
-    back from the pool (rounded to the pool's dtype). With ``n = 0`` it stores nothing and
-    returns ``S``: the kernel runs it for every row, so that no branch joins two versions of the
-    tile (for bf16 pools that cost spills in the token loop)."""
+    ``n`` records (records row ``rec_row``) with the commit's step ``S = fma(c_t, k^_t, S * d_t)``
+    (elementwise, so the tile's layout changes no bit), store the boundary state after
+    ``boundary_len`` tokens (``0 < boundary_len <= n`` where there is a boundary) and the final
+    state after ``n``; returns the final state as the next verify reads it back from the pool
+    (rounded to the pool's dtype). With ``n = 0`` it loads and stores nothing and returns ``S``:
+    the kernel runs it for every row, so that no branch joins two versions of the tile (for bf16
+    pools that cost spills in the token loop).
+
+    Each record is fetched one position ahead (as the token loop fetches its tokens), the first
+    one before the state is needed, so a record's loads are in flight while the position before
+    is replayed: a program has few warps, and a load waited for at each position left a memory
+    latency per replayed token exposed (ncu: long-scoreboard stalls, docs/BENCHMARKS.md)."""
     corr_row = corr_ptr + (rec_row * HV + hv) * max_window * V
     key_row = key_ptr + (rec_row * H + h) * max_window * K
     DECAY_SIZE: tl.constexpr = K if VECTOR_DECAY else 1
     decay_row = decay_ptr + (rec_row * HV + hv) * max_window * DECAY_SIZE
     head = hv * stride_s_h
-    S = replay_records(S, corr_row, key_row, decay_row, 0, boundary_len, offs_v, mask_v, offs_k, mask_k, offs_g,
-                       mask_g, K, V, ROW_LANES, K_INNER, K_CHUNKS, EXACT_K, EXACT_V, VECTOR_DECAY)
-    if boundary > null_slot:
-        store_masked(state_ptr + boundary.to(tl.int64) * stride_s_slot + head + tile,
-                     to_storage(S, state_ptr.dtype.element_ty, INTERPRETED), mask_tile, EXACT)
-    S = replay_records(S, corr_row, key_row, decay_row, boundary_len, n, offs_v, mask_v, offs_k, mask_k, offs_g,
-                       mask_g, K, V, ROW_LANES, K_INNER, K_CHUNKS, EXACT_K, EXACT_V, VECTOR_DECAY)
+    fetched = fetch_record(corr_row, key_row, decay_row, 0, n > 0, offs_v, mask_v, offs_k, mask_k, offs_g, mask_g, K,
+                           V, VECTOR_DECAY)
+    for t in range(0, n):
+        correction, k_hat, decay = fetched
+        fetched = fetch_record(corr_row, key_row, decay_row, t + 1, t + 1 < n, offs_v, mask_v, offs_k, mask_k,
+                               offs_g, mask_g, K, V, VECTOR_DECAY)
+        if VECTOR_DECAY:
+            decay = tile_vector(decay, ROW_LANES, K_INNER, K_CHUNKS)
+        S = tl.fma(correction[:, :, None, None], k_hat, S * decay)
+        if (t + 1 == boundary_len) & (boundary > null_slot):
+            store_masked(state_ptr + boundary.to(tl.int64) * stride_s_slot + head + tile,
+                         to_storage(S, state_ptr.dtype.element_ty, INTERPRETED), mask_tile, EXACT)
     stored = to_storage(S, state_ptr.dtype.element_ty, INTERPRETED)
     tl.store(state_ptr + final.to(tl.int64) * stride_s_slot + head + tile, stored,
              mask=tl.where(n > 0, mask_tile, False))
@@ -412,54 +432,56 @@ def recurrence_kernel(
     if live:
         state_tile = state_ptr + source.to(tl.int64) * stride_s_slot + hv * stride_s_h
         S = load_masked(state_tile + tile, mask_tile, EXACT, STATE_EVICTION).to(tl.float32)
+        gate_scale, dt_bias = gate_constants(A_log_ptr, dt_bias_ptr, hv, offs_g, mask_g, K, EXACT_K, GATES_PRECOMPUTED,
+                                             VECTOR_DECAY, LOWER_BOUND)
+        # The first token's loads go out with the state's, before the replay: the replay's select
+        # waits for the state, and a fetch behind it would add a second memory latency to every
+        # program (a row without tokens, which may still replay its pending step, loads nothing).
+        fetched = fetch_token(tl.maximum(tl.minimum(start, num_tokens - 1), 0), q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
+                              stride_q_t, stride_k_t, stride_v_t, stride_a_t, stride_b_t, q_head, k_head,
+                              v_head, a_head, hv, offs_k, mask_k, offs_v, mask_v, offs_g, mask_g, length > 0, ALIGNED,
+                              EXACT_K, EXACT_V, QK_EVICTION, VECTOR_DECAY, True)
         S = replay_pending(S, corr_ptr, key_ptr, decay_ptr, read_row, hv, h, max_window, replay_len, boundary,
                            boundary_len, final, state_ptr, stride_s_slot, stride_s_h, tile, mask_tile, offs_v, mask_v,
                            offs_k, mask_k, offs_g, mask_g, null_slot, H, HV, K, V, ROW_LANES, K_INNER, K_CHUNKS, EXACT,
-                           EXACT_K, EXACT_V, VECTOR_DECAY, INTERPRETED)
+                           VECTOR_DECAY, INTERPRETED)
         if (replay_len > 0) & (i_v == 0) & (hv == 0):
             count_replay(plan_ptr, plan_rows, prev)
-        gate_scale, dt_bias = gate_constants(A_log_ptr, dt_bias_ptr, hv, offs_g, mask_g, K, EXACT_K, GATES_PRECOMPUTED,
-                                             VECTOR_DECAY, LOWER_BOUND)
-        if length > 0:      # (a row without tokens may still have replayed its pending step)
-            fetched = fetch_token(tl.minimum(start, num_tokens - 1), q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
+        for t in range(0, length):
+            k_t, q_t, v_t, a_t, b_t = fetched
+            # the next token's loads go out now (the last iteration fetches its own token again)
+            fetched = fetch_token(start + tl.minimum(t + 1, length - 1), q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
                                   stride_q_t, stride_k_t, stride_v_t, stride_a_t, stride_b_t, q_head, k_head,
-                                  v_head, a_head, hv, offs_k, mask_k, offs_v, mask_v, offs_g, mask_g, ALIGNED, EXACT_K,
-                                  EXACT_V, QK_EVICTION, VECTOR_DECAY)
-            for t in range(0, length):
-                k_t, q_t, v_t, a_t, b_t = fetched
-                # the next token's loads go out now (the last iteration fetches its own token again)
-                fetched = fetch_token(start + tl.minimum(t + 1, length - 1), q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
-                                      stride_q_t, stride_k_t, stride_v_t, stride_a_t, stride_b_t, q_head, k_head,
-                                      v_head, a_head, hv, offs_k, mask_k, offs_v, mask_v, offs_g, mask_g, ALIGNED,
-                                      EXACT_K, EXACT_V, QK_EVICTION, VECTOR_DECAY)
-                k_hat, q_hat, v_t, decay, beta = prepare_token(k_t, q_t, v_t, a_t, b_t, gate_scale, dt_bias, scale,
-                                                               lower_bound, GATES_PRECOMPUTED, USE_L2NORM,
-                                                               PTX_WIDEN_BF16, LOWER_BOUND)
-                if VECTOR_DECAY:
-                    S, correction, o_t = delta_rule_step(S, k_hat, q_hat, v_t, beta,
-                                                         tile_vector(decay, ROW_LANES, K_INNER, K_CHUNKS))
-                else:
-                    S, correction, o_t = delta_rule_step(S, k_hat, q_hat, v_t, beta, decay)
+                                  v_head, a_head, hv, offs_k, mask_k, offs_v, mask_v, offs_g, mask_g, True,
+                                  ALIGNED, EXACT_K, EXACT_V, QK_EVICTION, VECTOR_DECAY, False)
+            k_hat, q_hat, v_t, decay, beta = prepare_token(k_t, q_t, v_t, a_t, b_t, gate_scale, dt_bias, scale,
+                                                           lower_bound, GATES_PRECOMPUTED, USE_L2NORM,
+                                                           PTX_WIDEN_BF16, LOWER_BOUND)
+            if VECTOR_DECAY:
+                S, correction, o_t = delta_rule_step(S, k_hat, q_hat, v_t, beta,
+                                                     tile_vector(decay, ROW_LANES, K_INNER, K_CHUNKS))
+            else:
+                S, correction, o_t = delta_rule_step(S, k_hat, q_hat, v_t, beta, decay)
 
-                tok = (start + t).to(tl.int64)
-                store_masked(out_ptr + tok * stride_o_t + hv * stride_o_h + offs_v,
-                             to_storage(o_t, out_ptr.dtype.element_ty, INTERPRETED), mask_v, EXACT_V)
-                if mode == MODE_VERIFY:
-                    store_records(corr_ptr, key_ptr, decay_ptr, write_row, i_v, hv, h, t, max_window, correction, k_hat,
-                                  decay, offs_v, mask_v, offs_k, mask_k, offs_g, mask_g, chunk, lane_v, H, HV, K, V,
-                                  ROW_LANES, EXACT_V, VECTOR_DECAY)
-                # State stores, both from inside the loop: the snapshot after every position, and
-                # native decode's final state after the last one (into the row's own slot). Keeping
-                # decode's store in the loop, behind a per-token slot index, spares the registers
-                # that a store after the loop would hold its addresses in for the whole window.
-                if mode == MODE_SNAPSHOT:
-                    dst = tl.load(snapshot_ptr + row64 * stride_snap_row + t)
-                else:
-                    dst = tl.where((mode == MODE_DECODE) & (t == length - 1), slot, null_slot)
-                if is_slot(dst, null_slot, num_slots):
-                    dst_tile = state_ptr + dst.to(tl.int64) * stride_s_slot + hv * stride_s_h
-                    store_masked(dst_tile + tile, to_storage(S, state_ptr.dtype.element_ty, INTERPRETED), mask_tile,
-                                 EXACT)
+            tok = (start + t).to(tl.int64)
+            store_masked(out_ptr + tok * stride_o_t + hv * stride_o_h + offs_v,
+                         to_storage(o_t, out_ptr.dtype.element_ty, INTERPRETED), mask_v, EXACT_V)
+            if mode == MODE_VERIFY:
+                store_records(corr_ptr, key_ptr, decay_ptr, write_row, i_v, hv, h, t, max_window, correction, k_hat,
+                              decay, offs_v, mask_v, offs_k, mask_k, offs_g, mask_g, chunk, lane_v, H, HV, K, V,
+                              ROW_LANES, EXACT_V, VECTOR_DECAY)
+            # State stores, both from inside the loop: the snapshot after every position, and
+            # native decode's final state after the last one (into the row's own slot). Keeping
+            # decode's store in the loop, behind a per-token slot index, spares the registers
+            # that a store after the loop would hold its addresses in for the whole window.
+            if mode == MODE_SNAPSHOT:
+                dst = tl.load(snapshot_ptr + row64 * stride_snap_row + t)
+            else:
+                dst = tl.where((mode == MODE_DECODE) & (t == length - 1), slot, null_slot)
+            if is_slot(dst, null_slot, num_slots):
+                dst_tile = state_ptr + dst.to(tl.int64) * stride_s_slot + hv * stride_s_h
+                store_masked(dst_tile + tile, to_storage(S, state_ptr.dtype.element_ty, INTERPRETED), mask_tile,
+                             EXACT)
     else:
         zeros = tl.zeros([ROW_LANES, ROWS], dtype=out_ptr.dtype.element_ty)
         for t in range(0, span):
