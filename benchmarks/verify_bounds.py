@@ -33,7 +33,7 @@ from kernel_variant import compile_variant, replace_once
 H, K, V = 16, 128, 128
 SHAPES = [(64, 2, 48), (64, 4, 48), (64, 8, 48), (64, 4, 32), (64, 8, 32), (256, 4, 48), (8, 4, 48), (1, 4, 48)]
 TINY_SHAPES = [(2, 2, 4), (3, 4, 4)]
-STATE_BASE = "state_tile = state_ptr + slot.to(tl.int64) * stride_s_slot + hv * stride_s_h"
+STATE_BASE = "state_tile = state_ptr + source.to(tl.int64) * stride_s_slot + hv * stride_s_h"
 STATE_LOAD = "S = load_masked(state_tile + tile, mask_tile, EXACT, STATE_EVICTION).to(tl.float32)"
 VARIANTS = {
     "library": None,
@@ -49,8 +49,9 @@ def variant_kernel(name: str):
         return recurrence.recurrence_kernel
     old, new = VARIANTS[name]
     source = replace_once(open(recurrence.__file__).read(), old, new, "recurrence.py")
-    source = replace_once(source, "from .numerics import", "from recoverssm.backends.triton.numerics import",
-                          "recurrence.py")
+    for module in ("numerics", "pending"):
+        source = replace_once(source, f"from .{module} import", f"from recoverssm.backends.triton.{module} import",
+                              "recurrence.py")
     return compile_variant(source, f"recoverssm_recurrence_{name}").recurrence_kernel
 
 
@@ -77,11 +78,11 @@ def verify_launch(kernel, w, out, null_slot: int = -1):
     rec = w.records
     snap = w.state_indices
     args = (w.q, w.k, w.v, w.a, w.b, w.A_log, w.dt_bias, out, w.state, w.state_indices, w.query_start_loc,
-            rec.correction, rec.key, rec.decay, snap,
+            rec.correction, rec.key, rec.decay, snap, snap, snap, snap,     # no pending step: rows, plan, parity unused
             w.q.stride(0), w.q.stride(1), w.k.stride(0), w.k.stride(1), w.v.stride(0), w.v.stride(1),
             w.a.stride(0), w.a.stride(1), w.b.stride(0), out.stride(0), out.stride(1),
             w.state.stride(0), w.state.stride(1), snap.stride(0),
-            T, w.state.shape[0], null_slot, rec.correction.shape[2], K_ ** -0.5, 0.0, launch.MODES["verify"])
+            T, w.state.shape[0], null_slot, rec.correction.shape[2], K_ ** -0.5, 0.0, launch.MODES["verify"], 0, 0)
     grid = (triton.cdiv(V_, tile.block_v), HV, B)
 
     def call():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import itertools
 import os
 import sys
 
@@ -62,8 +63,8 @@ def compile_one(fn, constexprs, pointer_types, options, arch):
 def cases(table: LaunchTable, K=128, V=128, H=16, HV=48):
     """Every specialization the cuda backend launches at these head sizes: the recurrence for
     GDN and KDA, raw and precomputed gates, fp32 and bf16 states, on the large-grid tile and the
-    small-grid one; both conv kernels; the plan; the commit and the flush for both state dtypes
-    and both decays; the defer kernels."""
+    small-grid one, with and without the pending replay; both conv kernels; the plan; the commit
+    and the flush for both state dtypes and both decays; the defer kernels."""
     ints = {n: "*i32" for n in ("state_indices_ptr", "qsl_ptr", "snapshot_ptr", "num_accepted_ptr",
                                 "request_indices_ptr", "block_table_ptr", "num_computed_ptr",
                                 "commit_len_ptr", "final_ptr", "boundary_ptr", "boundary_len_ptr",
@@ -72,11 +73,13 @@ def cases(table: LaunchTable, K=128, V=128, H=16, HV=48):
     for state_dtype, state in ((torch.float32, "*fp32"), (torch.bfloat16, "*bf16")):
         for kind in ("gdn", "kda"):
             for precomputed in (False, True):
-                for grid, heads_times_rows in (("large", None), ("small", 1)):
+                for (grid, heads_times_rows), replay in itertools.product((("large", None), ("small", 1)),
+                                                                          (False, True)):
                     gates = GateInputs(g=1, beta=1, kind=kind) if precomputed else GateInputs(a=1, kind=kind)
                     tile, constexprs, options = recurrence_specialization(
-                        table, state_dtype, H, HV, K, V, K, gates, True, True, heads_times_rows)
-                    yield (f"{kind} recurrence precomputed={precomputed} state={state} {grid} grid", recurrence_kernel,
+                        table, state_dtype, H, HV, K, V, K, gates, True, True, heads_times_rows, replay)
+                    yield (f"{kind} recurrence precomputed={precomputed} state={state} {grid} grid"
+                           f"{' replay' if replay else ''}", recurrence_kernel,
                            constexprs, {**ints, **floats, "state_ptr": state, "q_ptr": "*bf16", "k_ptr": "*bf16",
                                         "v_ptr": "*bf16", "out_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16"},
                            options)

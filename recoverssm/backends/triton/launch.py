@@ -164,18 +164,22 @@ _SPECIALIZATIONS: dict = {}
 
 def recurrence_specialization(table: LaunchTable, state_dtype: torch.dtype, H: int, HV: int, K: int, V: int,
                               state_row_stride: int, gates: GateInputs, use_qk_l2norm: bool, aligned: bool,
-                              heads_times_rows: Optional[int] = None) -> tuple[RecurrenceTile, dict, dict]:
+                              heads_times_rows: Optional[int] = None,
+                              replay: bool = False) -> tuple[RecurrenceTile, dict, dict]:
     """The recurrence kernel's ``(tile, constexprs, compile options)`` for one call. Nothing in
-    it depends on the mode (verify, decode, snapshot), so the three modes run one binary.
-    Remembered per argument (every call asks; the answer is a few dicts)."""
+    it depends on the mode (verify, decode, snapshot), so the three modes run one binary;
+    ``replay`` (a verify that replays a pending step first) compiles the replay in, a binary of
+    its own (in every other binary the replay's code would cost registers: bf16 pools then
+    spilled, and their verify, decode and snapshot ran 15% slower). Remembered per argument
+    (every call asks; the answer is a few dicts)."""
     interpreted = interpreting()
     key = (id(table), state_dtype, H, HV, K, V, state_row_stride, gates.kind, gates.precomputed,
-           gates.lower_bound is None, use_qk_l2norm, aligned, heads_times_rows, interpreted)
+           gates.lower_bound is None, use_qk_l2norm, aligned, heads_times_rows, interpreted, replay)
     hit = _SPECIALIZATIONS.get(key)
     if hit is not None and hit[0] is table:
         return hit[1]
     answer = _specialize_recurrence(table, state_dtype, H, HV, K, V, state_row_stride, gates, use_qk_l2norm, aligned,
-                                    heads_times_rows, interpreted)
+                                    heads_times_rows, interpreted, replay)
     if len(_SPECIALIZATIONS) > 256:
         _SPECIALIZATIONS.clear()
     _SPECIALIZATIONS[key] = (table, answer)
@@ -184,7 +188,8 @@ def recurrence_specialization(table: LaunchTable, state_dtype: torch.dtype, H: i
 
 def _specialize_recurrence(table: LaunchTable, state_dtype: torch.dtype, H: int, HV: int, K: int, V: int,
                            state_row_stride: int, gates: GateInputs, use_qk_l2norm: bool, aligned: bool,
-                           heads_times_rows: Optional[int], interpreted: bool) -> tuple[RecurrenceTile, dict, dict]:
+                           heads_times_rows: Optional[int], interpreted: bool,
+                           replay: bool) -> tuple[RecurrenceTile, dict, dict]:
     spec = table.recurrence_for(state_dtype)
     tile = recurrence_tile(spec, K, V, heads_times_rows)
     constexprs = dict(
@@ -192,7 +197,8 @@ def _specialize_recurrence(table: LaunchTable, state_dtype: torch.dtype, H: int,
         ROW_LANES=tile.row_lanes, GATES_PRECOMPUTED=gates.precomputed, USE_L2NORM=bool(use_qk_l2norm),
         ALIGNED=aligned, PTX_WIDEN_BF16=spec.ptx_widen_bf16 and not interpreted,   # PTX: never interpreted
         L2_HINTS=spec.l2_hints, VECTOR_DECAY=gates.vector_decay,
-        LOWER_BOUND=gates.lower_bound is not None and not gates.precomputed, INTERPRETED=interpreted)
+        LOWER_BOUND=gates.lower_bound is not None and not gates.precomputed, INTERPRETED=interpreted,
+        REPLAY=replay)
     return tile, constexprs, table.options(spec.warps, tile.max_registers)
 
 
@@ -219,11 +225,12 @@ def _launch_recurrence(table: LaunchTable, mode: str, q, k, v, state, state_indi
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     B = state_indices.shape[0]
-    if B == 0 or (T == 0 and (pending is None or pending.rows is None)):
+    replay = mode == "verify" and pending is not None and pending.rows is not None
+    if B == 0 or (T == 0 and not replay):
         return None
     tile, constexprs, options = recurrence_specialization(table, state.dtype, H, HV, K, V, state.stride(2), gates,
-                                                          use_qk_l2norm, aligned, HV * B)
-    plan_rows = record_rows = has_pending = 0
+                                                          use_qk_l2norm, aligned, HV * B, replay)
+    plan_rows = record_rows = 0
     plan = parity = rows = state_indices                # unused without a pending step
     if mode == "verify":
         corr, key, decay = records
@@ -231,8 +238,8 @@ def _launch_recurrence(table: LaunchTable, mode: str, q, k, v, state, state_indi
         if pending is not None:
             plan, parity = pending.plan, pending.parity
             plan_rows, record_rows = plan.shape[2], corr.shape[0] // 2
-            if pending.rows is not None:
-                rows, has_pending = pending.rows, 1
+            if replay:
+                rows = pending.rows
     else:
         corr = key = decay = out           # unused by these modes; any valid pointer will do
         max_window = snapshot_slots.shape[1] if mode == "snapshot" else INT32_MAX
@@ -248,8 +255,7 @@ def _launch_recurrence(table: LaunchTable, mode: str, q, k, v, state, state_indi
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             a.stride(0), a.stride(1), b.stride(0), out.stride(0), out.stride(1),
             state.stride(0), state.stride(1), snap.stride(0),
-            T, state.shape[0], null_slot, max_window, scale, lower_bound, MODES[mode], plan_rows, record_rows,
-            has_pending)
+            T, state.shape[0], null_slot, max_window, scale, lower_bound, MODES[mode], plan_rows, record_rows)
     return _RECURRENCE(grid, args, constexprs, options, bind=bind)
 
 

@@ -33,13 +33,13 @@ def pending_commit(pending_rows_ptr, plan_ptr, plan_rows, row, live, null_slot, 
 
 
 @triton.jit
-def verify_rows(row, slot, live, parity_ptr, pending_rows_ptr, plan_ptr, plan_rows, record_rows, has_pending,
-                null_slot, num_slots, max_len):
+def verify_rows(row, slot, live, parity_ptr, pending_rows_ptr, plan_ptr, plan_rows, record_rows,
+                REPLAY: tl.constexpr, null_slot, num_slots, max_len):
     """Where a verify's row reads and writes: ``(records row written, records row replayed,
     plan row, replay length, source slot, final slot, boundary slot, boundary length)``. With
     single-buffered records (``record_rows = 0``) the row's own records row and its own slot,
     nothing to replay; double-buffered, the buffer ``parity`` is written, and where the row has a
-    pending step (``has_pending``) the other buffer's row of it is replayed first."""
+    pending step (``REPLAY``) the other buffer's row of it is replayed first."""
     zero = tl.full([], 0, tl.int32)
     write_row = row.to(tl.int64)
     read_row = write_row
@@ -47,7 +47,7 @@ def verify_rows(row, slot, live, parity_ptr, pending_rows_ptr, plan_ptr, plan_ro
     if record_rows > 0:
         parity = tl.load(parity_ptr).to(tl.int64)
         write_row += parity * record_rows
-        if has_pending:
+        if REPLAY:
             prev, n, source, final, boundary, boundary_len = pending_commit(
                 pending_rows_ptr, plan_ptr, plan_rows, row, live, null_slot, num_slots, max_len)
             read_row = (1 - parity) * record_rows + prev

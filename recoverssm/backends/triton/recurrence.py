@@ -295,17 +295,20 @@ def gate_constants(A_log_ptr, dt_bias_ptr, hv, offs_g, mask_g, K: tl.constexpr, 
 
 
 @triton.jit
-def fetch_record(corr_row, key_row, decay_row, t, present, offs_v, mask_v, offs_k, mask_k, offs_g, mask_g,
-                 K: tl.constexpr, V: tl.constexpr, VECTOR_DECAY: tl.constexpr):
-    """Issue the loads of window position ``t``'s replay record (correction ``[ROW_LANES, R]``,
-    key laid out like ``k``, decay: a scalar or KDA's flat K-vector), masked by ``present``."""
-    correction = tl.load(corr_row + t * V + offs_v, mask=tl.where(present, mask_v, False), other=0.0)
-    k_hat = tl.load(key_row + t * K + offs_k, mask=tl.where(present, mask_k, False), other=0.0)
-    if VECTOR_DECAY:
-        decay = tl.load(decay_row + t * K + offs_g, mask=tl.where(present, mask_g, False), other=0.0)
-    else:
-        decay = tl.load(decay_row + t, mask=present, other=0.0)
-    return correction, k_hat, decay
+def replay_records(S, corr_row, key_row, decay_row, first, last, offs_v, mask_v, offs_k, mask_k, offs_g, mask_g,
+                   K: tl.constexpr, V: tl.constexpr, ROW_LANES: tl.constexpr, K_INNER: tl.constexpr,
+                   K_CHUNKS: tl.constexpr, EXACT_K: tl.constexpr, EXACT_V: tl.constexpr, VECTOR_DECAY: tl.constexpr):
+    """``S = fma(c_t, k^_t, S * d_t)`` for window positions ``first <= t < last``: the commit's
+    step, elementwise, so the tile's layout changes no bit."""
+    for t in range(first, last):
+        correction = load_masked(corr_row + t * V + offs_v, mask_v, EXACT_V)
+        k_hat = load_masked(key_row + t * K + offs_k, mask_k, EXACT_K)
+        if VECTOR_DECAY:
+            decay = tile_vector(load_masked(decay_row + t * K + offs_g, mask_g, EXACT_K), ROW_LANES, K_INNER, K_CHUNKS)
+        else:
+            decay = tl.load(decay_row + t)
+        S = tl.fma(correction[:, :, None, None], k_hat, S * decay)
+    return S
 
 
 @triton.jit
@@ -313,37 +316,26 @@ def replay_pending(S, corr_ptr, key_ptr, decay_ptr, rec_row, hv, h, max_window, 
                    state_ptr, stride_s_slot, stride_s_h, tile, mask_tile, offs_v, mask_v, offs_k, mask_k, offs_g,
                    mask_g, null_slot, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                    ROW_LANES: tl.constexpr, K_INNER: tl.constexpr, K_CHUNKS: tl.constexpr, EXACT: tl.constexpr,
-                   VECTOR_DECAY: tl.constexpr, INTERPRETED: tl.constexpr):
+                   EXACT_K: tl.constexpr, EXACT_V: tl.constexpr, VECTOR_DECAY: tl.constexpr,
+                   INTERPRETED: tl.constexpr):
     """What the commit of a deferred row does to this program's tile, in registers: replay its
-    ``n`` records (records row ``rec_row``) with the commit's step ``S = fma(c_t, k^_t, S * d_t)``
-    (elementwise, so the tile's layout changes no bit), store the boundary state after
-    ``boundary_len`` tokens (``0 < boundary_len <= n`` where there is a boundary) and the final
-    state after ``n``; returns the final state as the next verify reads it back from the pool
-    (rounded to the pool's dtype). With ``n = 0`` it loads and stores nothing and returns ``S``:
-    the kernel runs it for every row, so that no branch joins two versions of the tile (for bf16
-    pools that cost spills in the token loop).
-
-    Each record is fetched one position ahead (as the token loop fetches its tokens), the first
-    one before the state is needed, so a record's loads are in flight while the position before
-    is replayed: a program has few warps, and a load waited for at each position left a memory
-    latency per replayed token exposed (ncu: long-scoreboard stalls, docs/BENCHMARKS.md)."""
+    ``n`` records (records row ``rec_row``), store the boundary state after ``boundary_len``
+    tokens and the final state after ``n``; returns the final state as the next verify reads it
+    back from the pool (rounded to the pool's dtype). With ``n = 0`` it stores nothing and
+    returns ``S``: the kernel runs it for every row, so that no branch joins two versions of the
+    tile (for bf16 pools that cost spills in the token loop)."""
     corr_row = corr_ptr + (rec_row * HV + hv) * max_window * V
     key_row = key_ptr + (rec_row * H + h) * max_window * K
     DECAY_SIZE: tl.constexpr = K if VECTOR_DECAY else 1
     decay_row = decay_ptr + (rec_row * HV + hv) * max_window * DECAY_SIZE
     head = hv * stride_s_h
-    fetched = fetch_record(corr_row, key_row, decay_row, 0, n > 0, offs_v, mask_v, offs_k, mask_k, offs_g, mask_g, K,
-                           V, VECTOR_DECAY)
-    for t in range(0, n):
-        correction, k_hat, decay = fetched
-        fetched = fetch_record(corr_row, key_row, decay_row, t + 1, t + 1 < n, offs_v, mask_v, offs_k, mask_k,
-                               offs_g, mask_g, K, V, VECTOR_DECAY)
-        if VECTOR_DECAY:
-            decay = tile_vector(decay, ROW_LANES, K_INNER, K_CHUNKS)
-        S = tl.fma(correction[:, :, None, None], k_hat, S * decay)
-        if (t + 1 == boundary_len) & (boundary > null_slot):
-            store_masked(state_ptr + boundary.to(tl.int64) * stride_s_slot + head + tile,
-                         to_storage(S, state_ptr.dtype.element_ty, INTERPRETED), mask_tile, EXACT)
+    S = replay_records(S, corr_row, key_row, decay_row, 0, boundary_len, offs_v, mask_v, offs_k, mask_k, offs_g,
+                       mask_g, K, V, ROW_LANES, K_INNER, K_CHUNKS, EXACT_K, EXACT_V, VECTOR_DECAY)
+    if boundary > null_slot:
+        store_masked(state_ptr + boundary.to(tl.int64) * stride_s_slot + head + tile,
+                     to_storage(S, state_ptr.dtype.element_ty, INTERPRETED), mask_tile, EXACT)
+    S = replay_records(S, corr_row, key_row, decay_row, boundary_len, n, offs_v, mask_v, offs_k, mask_k, offs_g,
+                       mask_g, K, V, ROW_LANES, K_INNER, K_CHUNKS, EXACT_K, EXACT_V, VECTOR_DECAY)
     stored = to_storage(S, state_ptr.dtype.element_ty, INTERPRETED)
     tl.store(state_ptr + final.to(tl.int64) * stride_s_slot + head + tile, stored,
              mask=tl.where(n > 0, mask_tile, False))
@@ -364,7 +356,7 @@ _TOKEN_POINTERS = ["q_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr", "A_log_ptr", "dt
 _RUNTIME_SCALARS = ["stride_q_t", "stride_q_h", "stride_k_t", "stride_k_h", "stride_v_t", "stride_v_h",
                     "stride_a_t", "stride_a_h", "stride_b_t", "stride_o_t", "stride_o_h", "stride_snap_row",
                     "num_tokens", "num_slots", "null_slot", "max_window", "scale", "lower_bound", "mode",
-                    "plan_rows", "record_rows", "has_pending"]
+                    "plan_rows", "record_rows"]
 
 
 @triton.jit(do_not_specialize=_RUNTIME_SCALARS, do_not_specialize_on_alignment=_TOKEN_POINTERS)
@@ -375,12 +367,12 @@ def recurrence_kernel(
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
     stride_a_t, stride_a_h, stride_b_t, stride_o_t, stride_o_h,
     stride_s_slot, stride_s_h, stride_snap_row,
-    num_tokens, num_slots, null_slot, max_window, scale, lower_bound, mode, plan_rows, record_rows, has_pending,
+    num_tokens, num_slots, null_slot, max_window, scale, lower_bound, mode, plan_rows, record_rows,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, STRIDE_S_V: tl.constexpr,
     K_PAD: tl.constexpr, K_INNER: tl.constexpr, ROWS: tl.constexpr, ROW_LANES: tl.constexpr,
     GATES_PRECOMPUTED: tl.constexpr, USE_L2NORM: tl.constexpr, ALIGNED: tl.constexpr,
     PTX_WIDEN_BF16: tl.constexpr, L2_HINTS: tl.constexpr, VECTOR_DECAY: tl.constexpr,
-    LOWER_BOUND: tl.constexpr, INTERPRETED: tl.constexpr,
+    LOWER_BOUND: tl.constexpr, INTERPRETED: tl.constexpr, REPLAY: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     hv = tl.program_id(1)
@@ -399,11 +391,11 @@ def recurrence_kernel(
     start, span, length = row_window(qsl_ptr, row, num_tokens, max_window)
     slot = tl.load(state_indices_ptr + row)
     live = is_slot(slot, null_slot, num_slots)
-    # Double-buffered records (deferred commits; all runtime values, so every call of a state
-    # dtype and shape runs one binary): this call writes buffer ``parity``, and a row with a
-    # pending step first replays its records from the other buffer.
+    # Double-buffered records (deferred commits; runtime values): this call writes buffer
+    # ``parity``; under ``REPLAY`` a row with a pending step first replays its records from the
+    # other buffer.
     write_row, read_row, prev, replay_len, source, final, boundary, boundary_len = verify_rows(
-        row, slot, live, parity_ptr, pending_rows_ptr, plan_ptr, plan_rows, record_rows, has_pending, null_slot,
+        row, slot, live, parity_ptr, pending_rows_ptr, plan_ptr, plan_rows, record_rows, REPLAY, null_slot,
         num_slots, max_window)
 
     lane_v = tl.arange(0, ROW_LANES)
@@ -441,12 +433,13 @@ def recurrence_kernel(
                               stride_q_t, stride_k_t, stride_v_t, stride_a_t, stride_b_t, q_head, k_head,
                               v_head, a_head, hv, offs_k, mask_k, offs_v, mask_v, offs_g, mask_g, length > 0, ALIGNED,
                               EXACT_K, EXACT_V, QK_EVICTION, VECTOR_DECAY, True)
-        S = replay_pending(S, corr_ptr, key_ptr, decay_ptr, read_row, hv, h, max_window, replay_len, boundary,
-                           boundary_len, final, state_ptr, stride_s_slot, stride_s_h, tile, mask_tile, offs_v, mask_v,
-                           offs_k, mask_k, offs_g, mask_g, null_slot, H, HV, K, V, ROW_LANES, K_INNER, K_CHUNKS, EXACT,
-                           VECTOR_DECAY, INTERPRETED)
-        if (replay_len > 0) & (i_v == 0) & (hv == 0):
-            count_replay(plan_ptr, plan_rows, prev)
+        if REPLAY:
+            S = replay_pending(S, corr_ptr, key_ptr, decay_ptr, read_row, hv, h, max_window, replay_len, boundary,
+                               boundary_len, final, state_ptr, stride_s_slot, stride_s_h, tile, mask_tile, offs_v,
+                               mask_v, offs_k, mask_k, offs_g, mask_g, null_slot, H, HV, K, V, ROW_LANES, K_INNER,
+                               K_CHUNKS, EXACT, EXACT_K, EXACT_V, VECTOR_DECAY, INTERPRETED)
+            if (replay_len > 0) & (i_v == 0) & (hv == 0):
+                count_replay(plan_ptr, plan_rows, prev)
         for t in range(0, length):
             k_t, q_t, v_t, a_t, b_t = fetched
             # the next token's loads go out now (the last iteration fetches its own token again)
