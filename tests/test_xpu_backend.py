@@ -104,3 +104,18 @@ def test_xpu_launch_path_matches_reference(monkeypatch):
         states[name] = (st, cv)
     assert torch.equal(states["xpu"][0], states["cpu_ref"][0])
     assert torch.equal(states["xpu"][1], states["cpu_ref"][1])
+
+
+@pytest.mark.interpreter
+def test_xpu_deferred_steps_give_the_eager_bits(monkeypatch):
+    """Deferred commits through the xpu backend (its uint64-in-int64 group and layer tables read by
+    the defer and flush launches), on CPU tensors under the interpreter: every step's outputs and,
+    after the final flush, every state equal the same backend's eager commits."""
+    from deferred_sim import Engine, Setup
+
+    monkeypatch.setenv("RECOVERSSM_XPU_INTERPRET", "1")
+    engine = Engine(Setup(align=True, block_size=2, groups=2, kinds=("gdn", "kda"), backend="xpu"), seed=7)
+    for i in range(5):
+        engine.step(flush_all=i == 2)
+    engine.finish()
+    assert engine.replayed > 0 and engine.flushed > 0 and engine.boundaries > 0

@@ -8,6 +8,10 @@ conv history written into their slots; the others continue, in any row. Half-way
 flushed, as an engine does before it changes its draft length. Rows are ragged and padding rows
 are mixed in. In align mode a request holds a list of blocks per group, and its slot is the block
 of its last computed token: where the commit plan puts its final state, as a continuing row needs.
+
+``tests/deferred_sim.py`` draws the same kind of schedule with code of its own, on purpose: the
+test suite's oracle of deferred commits does not share a generator (or its mistakes) with the
+check it also tests.
 """
 from __future__ import annotations
 

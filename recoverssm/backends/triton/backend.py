@@ -62,7 +62,8 @@ class TritonBackend(Backend):
         where = "Triton's CPU interpreter" if interpreting() else "compiled Triton kernels"
         return {"conv_verify, conv_decode": f"triton/conv.py ({where})",
                 "gdn_*, kda_* (verify, decode, snapshot)":
-                    f"triton/recurrence.py, one binary for the three modes ({where})",
+                    f"triton/recurrence.py, one binary for the three modes, one more for a verify "
+                    f"that replays a deferred commit ({where})",
                 "plan_commit, commit": f"triton/commit.py ({where})"}
 
     def conv_verify(self, x, conv_state, weight, bias, state_indices, query_start_loc, silu,

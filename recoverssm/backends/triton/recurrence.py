@@ -323,7 +323,8 @@ def replay_pending(S, corr_ptr, key_ptr, decay_ptr, rec_row, hv, h, max_window, 
     tokens and the final state after ``n``; returns the final state as the next verify reads it
     back from the pool (rounded to the pool's dtype). With ``n = 0`` it stores nothing and
     returns ``S``: the kernel runs it for every row, so that no branch joins two versions of the
-    tile (for bf16 pools that cost spills in the token loop)."""
+    tile (for bf16 pools that cost spills in the token loop). Compiled only into the ``REPLAY``
+    binary (in every binary, its registers made the bf16 variants spill)."""
     corr_row = corr_ptr + (rec_row * HV + hv) * max_window * V
     key_row = key_ptr + (rec_row * H + h) * max_window * K
     DECAY_SIZE: tl.constexpr = K if VECTOR_DECAY else 1
@@ -349,7 +350,9 @@ def replay_pending(S, corr_ptr, key_ptr, decay_ptr, rec_row, hv, h, max_window, 
 # alignment or a stride that is a multiple of 16 in one call and not in the other, the two calls
 # could have compiled to different instruction sequences (seen for K = 32 and 64 with an earlier
 # tile). Alignment is instead the constexpr ALIGNED, which the launcher makes true for every call
-# it can (see launch.py).
+# it can (see launch.py). The one exception is REPLAY, a verify that replays a deferred commit
+# first: the same token-loop source in a binary of its own, compared bit for bit with the eager
+# path by the tests (docs/DESIGN.md, "Deferred commits").
 _TOKEN_POINTERS = ["q_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr", "A_log_ptr", "dt_bias_ptr", "out_ptr",
                    "state_indices_ptr", "qsl_ptr", "corr_ptr", "key_ptr", "decay_ptr", "snapshot_ptr",
                    "pending_rows_ptr", "plan_ptr", "parity_ptr"]
