@@ -48,6 +48,9 @@ class _Session:
         self.tail = max(int(keep) - 1, 0) if isinstance(keep, int) else 0
 
 
+_CROPPABLE: dict = {}      # cache layer class -> its subclass whose crop commits
+
+
 def _croppable(cls: type) -> type:
     """A subclass of the cache layer class ``cls`` whose rollback commits (memoized)."""
     sub = _CROPPABLE.get(cls)
@@ -73,8 +76,6 @@ def _croppable(cls: type) -> type:
         _CROPPABLE[cls] = sub
     return sub
 
-
-_CROPPABLE: dict = {}
 
 
 def _hand_back(layer) -> None:
