@@ -34,7 +34,7 @@ class UnsupportedModelError(ValueError):
     """The model has no linear-attention layer that :func:`speculative` serves."""
 
 
-class _Session:
+class _Speculation:
     """What a context knows across forwards: the candidates of the current forward (from
     ``logits_to_keep``) and every cache layer it took over."""
 
@@ -88,14 +88,13 @@ def _hand_back(layer) -> None:
         rec[:1].copy_(run.state.transpose(-1, -2).to(rec.dtype))
         conv = layer.conv_states[0]
         hist = run.width - 1
-        source = run.conv[:, :, :hist] if run.conv is not None else run.history
-        conv[:1, :, conv.shape[-1] - hist:].copy_(source.to(conv.dtype))
+        conv[:1, :, conv.shape[-1] - hist:].copy_(run.conv[:, :, :hist].to(conv.dtype))
     base = getattr(type(layer), "_recoverssm_base", None)
     if base is not None:
         layer.__class__ = base
 
 
-def _layer_forward(module: torch.nn.Module, adapter: Adapter, session: _Session):
+def _layer_forward(module: torch.nn.Module, adapter: Adapter, spec: _Speculation):
     """The instance ``forward`` of a supported linear-attention module inside the context."""
     original = type(module).forward
 
@@ -112,15 +111,15 @@ def _layer_forward(module: torch.nn.Module, adapter: Adapter, session: _Session)
         layer.record_past = False
         T = hidden_states.shape[1]
         # at least one token through the module's own path where the cache layer has no state yet
-        tail = min(session.tail, T if layer.has_previous_state[0] else T - 1)
+        tail = min(spec.tail, T if layer.has_previous_state[0] else T - 1)
         head = T - tail
         outs = []
         if head > 0:
             mask = attention_mask[:, :head] if attention_mask is not None else None
             outs.append(original(module, hidden_states[:, :head], cache=cache, attention_mask=mask, **kwargs))
-        run = LayerRun(adapter, module, layer.conv_states[0], layer.recurrent_states[0], session.backend)
+        run = LayerRun(adapter, module, layer.conv_states[0], layer.recurrent_states[0], spec.backend)
         layer.__dict__[_RUN] = run
-        session.layers.add(layer)
+        spec.layers.add(layer)
         if tail > 0:
             outs.append(run.run(hidden_states[:, head:], candidates=True))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
@@ -160,7 +159,7 @@ def speculative(model: torch.nn.Module, *, backend: Optional[str] = None) -> Ite
             out = model.generate(input_ids, prompt_lookup_num_tokens=4, max_new_tokens=64)
     """
     modules = _linear_modules(model)
-    session = _Session(backend)
+    spec = _Speculation(backend)
     saved = {name: model.__dict__[name] for name in ("_is_stateful", "_get_candidate_generator")
              if name in model.__dict__}
     original_candidates = model._get_candidate_generator
@@ -172,11 +171,11 @@ def speculative(model: torch.nn.Module, *, backend: Optional[str] = None) -> Ite
                              "model without recurrent layers as the assistant, or prompt lookup")
         return original_candidates(*args, **kwargs)
 
-    hook = model.register_forward_pre_hook(session.before_forward, with_kwargs=True)
+    hook = model.register_forward_pre_hook(spec.before_forward, with_kwargs=True)
     model.__dict__["_is_stateful"] = False
     model.__dict__["_get_candidate_generator"] = get_candidate_generator
     for module, adapter in modules:
-        module.forward = _layer_forward(module, adapter, session)
+        module.forward = _layer_forward(module, adapter, spec)
     try:
         yield model
     finally:
@@ -186,5 +185,5 @@ def speculative(model: torch.nn.Module, *, backend: Optional[str] = None) -> Ite
         for name in ("_is_stateful", "_get_candidate_generator"):
             model.__dict__.pop(name, None)
         model.__dict__.update(saved)
-        for layer in list(session.layers):
+        for layer in list(spec.layers):
             _hand_back(layer)

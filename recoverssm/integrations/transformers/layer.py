@@ -41,11 +41,11 @@ class LayerRun:
         self.weight = module.conv1d.weight.detach().squeeze(1)
         self.bias = None if module.conv1d.bias is None else module.conv1d.bias.detach()
         self.state = recurrent_state.detach()[:1].transpose(-1, -2).to(torch.float32).contiguous()
-        self.history = conv_state.detach()[:1, :, conv_state.shape[-1] - (self.width - 1):]
         self.slots = torch.zeros(1, dtype=I32, device=device)
-        self.window = 0                  # columns of the conv pool past the history, records' window
-        self.conv = self.records = self.ctx = None
         self.pending: Optional[int] = None   # tokens of the last verified window, not yet committed
+        self.window = 0                  # columns of the conv pool past the history, records' window
+        self.conv = conv_state.detach()[:1, :, conv_state.shape[-1] - (self.width - 1):]   # the history alone
+        self._ensure_window(1)
 
     # ---- pools -------------------------------------------------------------------------------
     def _ensure_window(self, T: int) -> None:
@@ -53,8 +53,8 @@ class LayerRun:
         if T <= self.window:
             return
         device, hist = self.state.device, self.width - 1
-        conv = torch.zeros(1, self.history.shape[1], hist + T, dtype=self.history.dtype, device=device)
-        conv[:, :, :hist] = self.history if self.conv is None else self.conv[:, :, :hist]
+        conv = torch.zeros(1, self.conv.shape[1], hist + T, dtype=self.conv.dtype, device=device)
+        conv[:, :, :hist] = self.conv[:, :, :hist]
         self.conv, self.window = conv, T
         self.records = rs.ReplayRecords.allocate(1, T, self.H, self.HV, self.K, self.V, device=device,
                                                  vector_decay=self.adapter.family == "kda")
