@@ -195,7 +195,7 @@ def commit_pieces(step, ctx, index_sets, backend: str) -> list:
                       conv_states=[x.conv_state for x in layers if x.conv_state is not None],
                       corrections=[x.correction for x in layers], keys=[x.key for x in layers],
                       decays=[x.decay for x in layers], groups=[x.group for x in layers],
-                      conv_widths=[x.conv_width for x in layers])
+                      conv_widths=[x.conv_width for x in layers], conv_dilations=[x.conv_dilation for x in layers])
     G = ctx.num_groups
     window = ctx.max_window
     num_slots = layers[0].state.shape[0]

@@ -83,11 +83,14 @@ def cases(table: LaunchTable, K=128, V=128, H=16, HV=48):
                            constexprs, {**ints, **floats, "state_ptr": state, "q_ptr": "*bf16", "k_ptr": "*bf16",
                                         "v_ptr": "*bf16", "out_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16"},
                            options)
-    conv = dict(WIDTH=4, BD=table.conv.block, HAS_BIAS=True, SILU=True, INTERPRETED=False)
+    conv = dict(WIDTH=4, DILATION=1, BD=table.conv.block, HAS_BIAS=True, SILU=True, INTERPRETED=False)
     conv_types = {**ints, "x_ptr": "*bf16", "conv_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16",
                   "out_ptr": "*bf16"}
     yield ("conv_verify", conv_verify_kernel, conv, conv_types, table.options(table.conv.warps))
     yield ("conv_decode", conv_decode_kernel, conv, conv_types, table.options(table.conv.warps))
+    dilated = dict(conv, DILATION=3, HAS_BIAS=False)             # Qwen4Exp's per-layer-embedding conv
+    yield ("conv_verify dilation=3", conv_verify_kernel, dilated, conv_types, table.options(table.conv.warps))
+    yield ("conv_decode dilation=3", conv_decode_kernel, dilated, conv_types, table.options(table.conv.warps))
     yield ("plan_commit", plan_commit_kernel, dict(BLOCK=table.plan_block), {**ints, "bt_stride": "i64"},
            table.options(4))
     for state_dtype, state in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):

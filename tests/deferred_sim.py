@@ -34,11 +34,16 @@ class Setup:
     K: int = 8
     V: int = 8
     width: int = 3
+    dilation: int = 1                             # the conv's taps this many tokens apart
     T: int = 3                                    # the records' window: 1 + drafts
     max_batch: int = 4
     num_slots: int = 40
     backend: str = "cpu_ref"
     device: str = "cpu"
+
+    @property
+    def history(self) -> int:
+        return (self.width - 1) * self.dilation
 
 
 @dataclass
@@ -59,7 +64,7 @@ class World:
         self.layers = []
         for i, kind in enumerate(s.kinds):
             state = (torch.randn(s.num_slots, s.HV, s.V, s.K, generator=gen) * 0.5).to(s.state_dtype).to(dev)
-            conv = torch.randn(s.num_slots, self.conv_dim, s.width - 1 + s.T, generator=gen).to(dev)
+            conv = torch.randn(s.num_slots, self.conv_dim, s.history + s.T, generator=gen).to(dev)
             records = rs.ReplayRecords.allocate(s.max_batch, s.T, s.H, s.HV, s.K, s.V, device=dev,
                                                 vector_decay=kind == "kda", buffers=2 if deferred else 1)
             weights = dict(w=(torch.randn(self.conv_dim, s.width, generator=gen) * 0.5).to(dev),
@@ -68,7 +73,7 @@ class World:
                                     else torch.randn(s.HV, generator=gen)).to(dev))
             self.layers.append(dict(kind=kind, group=i % s.groups, state=state, conv=conv, records=records,
                                     **weights))
-        groups = [[rs.LayerCache(L["state"], L["records"], L["conv"], conv_width=s.width)
+        groups = [[rs.LayerCache(L["state"], L["records"], L["conv"], conv_width=s.width, conv_dilation=s.dilation)
                    for L in self.layers if L["group"] == g] for g in range(s.groups)]
         self.ctx = rs.CommitContext(groups, max_batch=s.max_batch, backend=s.backend, deferred=deferred)
 
@@ -83,6 +88,7 @@ class World:
                 kw = dict(pending=self.ctx.pending[g], pending_rows=step["pending_rows"])
             slots, qsl = step["slots"][g], step["qsl"]
             y = rs.conv_verify(inputs["x"][i], L["conv"], L["w"], None, state_indices=slots, query_start_loc=qsl,
+                               dilation=s.dilation,
                                backend=s.backend, **kw)
             T = y.shape[0]
             q = y[:, :s.H * s.K].view(T, s.H, s.K)
@@ -137,10 +143,10 @@ class Engine:
         for i in range(len(s.kinds)):
             g = i % s.groups
             state = (torch.randn(s.HV, s.V, s.K, generator=self.gen) * 0.5).to(s.state_dtype)
-            history = torch.randn(self.eager.conv_dim, s.width - 1, generator=self.gen)
+            history = torch.randn(self.eager.conv_dim, s.history, generator=self.gen)
             for world in (self.eager, self.deferred):
                 world.layers[i]["state"][req.slots[g]] = state.to(s.device)
-                world.layers[i]["conv"][req.slots[g], :, :s.width - 1] = history.to(s.device)
+                world.layers[i]["conv"][req.slots[g], :, :s.history] = history.to(s.device)
         self.requests[rid] = req
 
     def leave(self, rid: int) -> None:

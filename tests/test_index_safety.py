@@ -475,9 +475,9 @@ class ConvRun:
 def call_conv_kernel(c: ConvCase, run: ConvRun, name: str) -> None:
     be = backend(name)
     if c.mode == "verify":
-        be.conv_verify(c.x, run.pool.view, c.weight, c.bias, c.si, c.qsl_t, c.silu, c.null_slot, run.out.view)
+        be.conv_verify(c.x, run.pool.view, c.weight, c.bias, c.si, c.qsl_t, c.silu, 1, c.null_slot, run.out.view)
     else:
-        be.conv_decode(c.x, run.pool.view, c.weight, c.bias, c.si, c.silu, c.null_slot, run.out.view)
+        be.conv_decode(c.x, run.pool.view, c.weight, c.bias, c.si, c.silu, 1, c.null_slot, run.out.view)
 
 
 def call_conv_api(c: ConvCase, run: ConvRun, name: str, check: Optional[bool] = None) -> None:

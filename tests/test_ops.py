@@ -84,17 +84,17 @@ def test_opcheck_every_op(backend):
     kpending, kdrec = kctx.pending, kdl["records"]
     rows = torch.tensor([0, -1, 1], dtype=I32, device=dev)
     calls = [
-        (ops.conv_verify, (s["x"], gl["conv"], gl["w"], gl["bias"], s["state_indices"], s["qsl"], True, -1,
+        (ops.conv_verify, (s["x"], gl["conv"], gl["w"], gl["bias"], s["state_indices"], s["qsl"], True, 1, -1,
                            torch.empty_like(s["x"]), None, None, backend, None)),
         (ops.gdn_verify_pending, (q, k, v, dl["state"], s["state_indices"], s["qsl"], drec.correction, drec.key,
                                   drec.decay, s["a"], s["b"], dl["A_log"], dl["dt_bias"], None, None, None, True, -1,
                                   out, pending.plan, rows, pending.parity, backend, None)),
         (ops.defer, (pending.plan, pending.parity, s["num_accepted"], s["qsl"], [s["state_indices"]], [None], [None],
                      [None], [0], -1, 3, dctx.id, backend, None)),
-        (ops.flush, ([dl["state"]], [dl["conv"]], [drec.correction], [drec.key], [drec.decay], [0], [WIDTH],
+        (ops.flush, ([dl["state"]], [dl["conv"]], [drec.correction], [drec.key], [drec.decay], [0], [WIDTH], [1],
                      pending.plan, pending.parity, torch.tensor([0, 1], dtype=I32, device=dev), -1, 3, dctx.id,
                      backend, None)),
-        (ops.conv_decode, (s["x"][:3], gl["conv"], gl["w"], gl["bias"], s["state_indices"], True, -1,
+        (ops.conv_decode, (s["x"][:3], gl["conv"], gl["w"], gl["bias"], s["state_indices"], True, 1, -1,
                            torch.empty(3, DIM, device=dev), backend, None)),
         (ops.gdn_verify, (q, k, v, gl["state"], s["state_indices"], s["qsl"], rec.correction, rec.key, rec.decay,
                           s["a"], s["b"], gl["A_log"], gl["dt_bias"], None, None, None, True, -1, out, backend, None)),
@@ -116,7 +116,8 @@ def test_opcheck_every_op(backend):
         (ops.plan_commit, (s["num_accepted"], s["state_indices"], s["qsl"], None, None, None, None, -1, None,
                            backend, None)),
         (ops.commit, ([gl["state"], kl["state"]], [gl["conv"]], [rec.correction, krec.correction],
-                      [rec.key, krec.key], [rec.decay, krec.decay], [0, 0], [WIDTH, 0], s["num_accepted"], s["qsl"],
+                      [rec.key, krec.key], [rec.decay, krec.decay], [0, 0], [WIDTH, 0], [1, 1], s["num_accepted"],
+                      s["qsl"],
                       [s["state_indices"]], [None], [None], [None], [0], -1, 3, 0, backend, None)),
     ]
     assert {op.default.name().split("::")[1] for op, _ in calls} == set(WRITES)

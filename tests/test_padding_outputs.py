@@ -50,7 +50,7 @@ def test_conv_verify_zeroes_each_padding_rows_span(backend, case):
     before_out, before_state = out.clone(), conv_state.clone()
     slots = torch.tensor([-1, -3, -1], dtype=I32, device=dev)
     qsl = torch.tensor(QSLS[case], dtype=I32, device=dev)
-    be.conv_verify(x, conv_state, weight, None, slots, qsl, True, -1, out)
+    be.conv_verify(x, conv_state, weight, None, slots, qsl, True, 1, -1, out)
     assert torch.equal(out.cpu(), _expected(before_out.cpu(), QSLS[case]))
     assert torch.equal(conv_state, before_state)
 

@@ -67,19 +67,20 @@ def _pending(op_name: str, pending, pending_rows) -> tuple:
 # ------------------------------------------------------------------------------------------------
 def conv_verify(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
                 bias: Optional[torch.Tensor], *, state_indices: torch.Tensor,
-                query_start_loc: torch.Tensor, activation: Optional[str] = "silu",
+                query_start_loc: torch.Tensor, activation: Optional[str] = "silu", dilation: int = 1,
                 null_slot: int = -1, out: Optional[torch.Tensor] = None,
                 pending: Optional[Pending] = None, pending_rows: Optional[torch.Tensor] = None,
                 backend: BackendArg = None, check: Optional[bool] = None) -> torch.Tensor:
     """Causal depthwise conv of each row's window, reading the history from ``conv_state``.
 
     ``x``: ``[T_total, conv_dim]`` (last dim contiguous), the window inputs of all rows.
-    ``conv_state``: ``[num_slots, conv_dim, history + window]`` with ``history = width - 1``: the
-    last ``history`` inputs before the window at columns ``[0, history)`` (read only); the
-    window's inputs are stored at ``[history, history + len)``. ``weight``: ``[conv_dim, width]``
-    (``weight[:, -1]`` multiplies the current token); ``bias``: ``[conv_dim]`` or None.
-    ``y_p = act(bias + sum_j weight[:, j] * seq[p + j])`` with ``seq = history ++ window``,
-    accumulated in fp32; ``activation``: ``"silu"`` or ``None``.
+    ``conv_state``: ``[num_slots, conv_dim, history + window]`` with ``history = (width - 1) *
+    dilation``: the last ``history`` inputs before the window at columns ``[0, history)`` (read
+    only); the window's inputs are stored at ``[history, history + len)``. ``weight``:
+    ``[conv_dim, width]`` (``weight[:, -1]`` multiplies the current token); ``bias``:
+    ``[conv_dim]`` or None. ``y_p = act(bias + sum_j weight[:, j] * seq[p + j * dilation])`` with
+    ``seq = history ++ window``, accumulated in fp32; ``activation``: ``"silu"`` or ``None``;
+    ``dilation``: how many tokens apart the taps are (1: the plain short conv).
     ``state_indices``: int32 ``[B]``; ``query_start_loc``: int32 ``[B + 1]``, each row at most
     ``window`` tokens. Returns ``out``: ``[T_total, conv_dim]`` in ``x.dtype`` (padding rows: zeros).
 
@@ -92,25 +93,26 @@ def conv_verify(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
     silu = _silu(name, activation)
     result = _out_like(x, out) if isinstance(x, torch.Tensor) else out
     plan, rows, _ = _pending(name, pending, pending_rows)
-    args = (x, conv_state, weight, bias, state_indices, query_start_loc, silu, null_slot, result, plan, rows,
-            resolve_name(backend), check)
+    args = (x, conv_state, weight, bias, state_indices, query_start_loc, silu, dilation, null_slot, result, plan,
+            rows, resolve_name(backend), check)
     if not REPEATS.run(name, args, check):
         check_types(name, x=x, conv_state=conv_state, weight=weight, bias=bias, state_indices=state_indices,
                     query_start_loc=query_start_loc, out=out)
         check_int(name, "null_slot", null_slot)
+        check_int(name, "dilation", dilation, minimum=1)
         op(name)(*args)
     return result
 
 
 def conv_decode(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
                 bias: Optional[torch.Tensor], *, state_indices: torch.Tensor,
-                activation: Optional[str] = "silu", null_slot: int = -1,
+                activation: Optional[str] = "silu", dilation: int = 1, null_slot: int = -1,
                 out: Optional[torch.Tensor] = None, backend: BackendArg = None,
                 check: Optional[bool] = None) -> torch.Tensor:
     """One decode token per row: the conv output, and the row's history shifted by one in place.
 
     ``x``: ``[B, conv_dim]``, row ``r``'s token; ``conv_state``: the layout of
-    :func:`conv_verify` (only the ``history = width - 1`` columns ``[0, history)`` are used; a
+    :func:`conv_verify` (only the ``history = (width - 1) * dilation`` columns ``[0, history)`` are used; a
     decode-only pool may have exactly ``history`` columns). The output is the same arithmetic as
     :func:`conv_verify` for a window of one token, and afterwards the history holds its last
     ``history - 1`` inputs followed by ``x[r]`` (rounded to ``conv_state.dtype``): ``n`` calls
@@ -122,11 +124,13 @@ def conv_decode(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
     name = "conv_decode"
     silu = _silu(name, activation)
     result = _out_like(x, out) if isinstance(x, torch.Tensor) else out
-    args = (x, conv_state, weight, bias, state_indices, silu, null_slot, result, resolve_name(backend), check)
+    args = (x, conv_state, weight, bias, state_indices, silu, dilation, null_slot, result, resolve_name(backend),
+            check)
     if not REPEATS.run(name, args, check):
         check_types(name, x=x, conv_state=conv_state, weight=weight, bias=bias, state_indices=state_indices,
                     out=out)
         check_int(name, "null_slot", null_slot)
+        check_int(name, "dilation", dilation, minimum=1)
         op(name)(*args)
     return result
 

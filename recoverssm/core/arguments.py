@@ -14,7 +14,7 @@ import torch
 from .backend import GateInputs
 from .indices import INT32_MAX, is_request, is_slot
 from .plan import plan_rows
-from .types import PLAN_FIELDS
+from .types import PLAN_FIELDS, conv_history
 from .validation import FLOAT_DTYPES, STATE_DTYPES, Checker, PassedLayouts
 
 F32 = (torch.float32,)
@@ -127,15 +127,20 @@ def pending_rows_values(c: Checker, plan, rows, state_indices, null_slot: int, n
 _PASSED = PassedLayouts()
 
 
-def check_conv(op: str, x, conv_state, weight, bias, state_indices, query_start_loc, null_slot: int,
-               out, check: Optional[bool], static: bool = False, pending_plan=None, pending_rows=None) -> None:
+def _dilated(dilation: int) -> str:
+    return f" with taps {dilation} tokens apart" if dilation != 1 else ""
+
+
+def check_conv(op: str, x, conv_state, weight, bias, state_indices, query_start_loc, dilation: int,
+               null_slot: int, out, check: Optional[bool], static: bool = False, pending_plan=None,
+               pending_rows=None) -> None:
     """``conv_verify`` (``query_start_loc`` given) and ``conv_decode`` (``None``: one token per row);
     ``pending_plan``, ``pending_rows``: a verify's pending step (:func:`check_pending`)."""
     c = Checker(op, x.device if isinstance(x, torch.Tensor) else torch.device("cpu"), static)
-    key = None if static else _PASSED.key(op, (null_slot, x, conv_state, weight, bias, state_indices,
+    key = None if static else _PASSED.key(op, (null_slot, dilation, x, conv_state, weight, bias, state_indices,
                                                query_start_loc, out, pending_plan, pending_rows))
     if key is None or key not in _PASSED:
-        _conv_layout(c, x, conv_state, weight, bias, state_indices, query_start_loc, null_slot, out)
+        _conv_layout(c, x, conv_state, weight, bias, state_indices, query_start_loc, dilation, null_slot, out)
         if pending_plan is not None:
             check_pending(c, pending_plan, pending_rows, None, state_indices.shape[0])
             c.writes([("pending.plan", pending_plan), ("out", out), ("conv_state", conv_state)],
@@ -146,24 +151,27 @@ def check_conv(op: str, x, conv_state, weight, bias, state_indices, query_start_
         if key is not None:
             _PASSED.add(key)
     if c.values(check):
-        _conv_values(c, x, conv_state, weight, state_indices, query_start_loc, null_slot)
+        _conv_values(c, x, conv_state, weight, state_indices, query_start_loc, dilation, null_slot)
         if pending_plan is not None and pending_rows is not None:
             pending_rows_values(c, pending_plan, pending_rows, state_indices, null_slot, conv_state.shape[0])
 
 
-def _conv_layout(c: Checker, x, conv_state, weight, bias, state_indices, query_start_loc, null_slot, out) -> None:
+def _conv_layout(c: Checker, x, conv_state, weight, bias, state_indices, query_start_loc, dilation, null_slot,
+                 out) -> None:
     c.tensor("conv_state", conv_state, dims=3, dtypes=FLOAT_DTYPES)
     num_slots, dim, cols = conv_state.shape
     c.size("conv_state", dim, "conv_dim")
     c.tensor("weight", weight, dims=2, dtypes=FLOAT_DTYPES)
     c.tensor("weight", weight, shape=(dim, None), why=" (conv_dim from conv_state)")
     width = c.size("weight", weight.shape[1], "width (taps)")
-    history = width - 1
+    if dilation < 1:                        # (an int: the API checks the type, the schema for the op)
+        c.fail("dilation", f"must be at least 1, got {dilation}")
+    history = conv_history(width, dilation)
     window = cols - history
     decoding = query_start_loc is None
     if window < (0 if decoding else 1):
         c.fail("conv_state", f"has {cols} columns, fewer than {'the' if decoding else 'room for a window after the'} "
-                             f"{history} history columns of a width-{width} conv")
+                             f"{history} history columns of a width-{width} conv{_dilated(dilation)}")
     c.tensor("x", x, dims=2, dtypes=FLOAT_DTYPES, last_contiguous=True)
     c.tensor("x", x, shape=(None, dim), why=" (conv_dim from conv_state)")
     T = x.shape[0]
@@ -182,14 +190,15 @@ def _conv_layout(c: Checker, x, conv_state, weight, bias, state_indices, query_s
               ("query_start_loc", query_start_loc)])
 
 
-def _conv_values(c: Checker, x, conv_state, weight, state_indices, query_start_loc, null_slot: int) -> None:
+def _conv_values(c: Checker, x, conv_state, weight, state_indices, query_start_loc, dilation: int,
+                 null_slot: int) -> None:
     null_slot = c.null_slot(null_slot)
     c.slots_in_range("state_indices", state_indices, conv_state.shape[0], null_slot)
     slots = state_indices.tolist()
     if query_start_loc is None:
         lengths = [1] * len(slots)
     else:
-        window = conv_state.shape[2] - (weight.shape[1] - 1)
+        window = conv_state.shape[2] - conv_history(weight.shape[1], dilation)
         qsl = c.query_start_loc("query_start_loc", query_start_loc, x.shape[0], window)
         lengths = [qsl[r + 1] - qsl[r] for r in range(len(slots))]
     c.distinct_writes("state_indices", [(r, s) for r, s in enumerate(slots) if s > null_slot and lengths[r] > 0], [])
@@ -536,6 +545,7 @@ class LayerTensors(NamedTuple):
     conv_width: int          # 0 without a conv state
     group: int
     record_buffers: int = 1  # 2: double-buffered records (a context that defers its commits)
+    conv_dilation: int = 1   # the conv's taps are this many tokens apart
 
 
 def check_layers(c: Checker, layers: Sequence[LayerTensors], max_batch: int, capabilities: frozenset,
@@ -591,9 +601,15 @@ def _check_layer(c: Checker, where: str, layer: LayerTensors, max_batch: int, ca
         exc = TypeError if not isinstance(width, int) else ValueError
         c.fail(f"{where}.conv_width", f"must be the conv kernel's width (an int >= 1) when a conv_state "
                                       f"is given, got {width!r}", exc)
-    if cols < width - 1 + rec.max_window:
-        c.fail(f"{where}.conv_state", f"has {cols} columns, fewer than the {width - 1} history columns of a "
-                                      f"width-{width} conv plus the records' window of {rec.max_window}")
+    dilation = layer.conv_dilation
+    if isinstance(dilation, bool) or not isinstance(dilation, int) or dilation < 1:
+        exc = TypeError if not isinstance(dilation, int) else ValueError
+        c.fail(f"{where}.conv_dilation", f"must be an int >= 1, got {dilation!r}", exc)
+    history = conv_history(width, dilation)
+    if cols < history + rec.max_window:
+        c.fail(f"{where}.conv_state", f"has {cols} columns, fewer than the {history} history columns of a "
+                                      f"width-{width} conv{_dilated(dilation)} plus the records' window of "
+                                      f"{rec.max_window}")
 
 
 def check_deferred_layers(c: Checker, layers: Sequence[LayerTensors], num_groups: int,

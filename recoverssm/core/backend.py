@@ -89,17 +89,18 @@ class Backend(ABC):
     @abstractmethod
     def conv_verify(self, x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
                     bias: Optional[torch.Tensor], state_indices: torch.Tensor,
-                    query_start_loc: torch.Tensor, silu: bool, null_slot: int,
+                    query_start_loc: torch.Tensor, silu: bool, dilation: int, null_slot: int,
                     out: torch.Tensor, *, pending: "Optional[PendingInputs]" = None,
                     bind: bool = False) -> Optional[Launch]:
-        """Causal depthwise conv of each row's window; writes ``out`` and the window columns of
-        ``conv_state`` (``[history, history + len)``), never the history columns (but where a row
+        """Causal depthwise conv of each row's window, taps ``dilation`` tokens apart; writes
+        ``out`` and the window columns of ``conv_state`` (``[history, history + len)``, ``history =
+        (width - 1) * dilation``), never the history columns (but where a row
         replays its ``pending`` step first: then the compacted history of its final and boundary
         slots, and its window goes to the final slot)."""
 
     @abstractmethod
     def conv_decode(self, x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
-                    bias: Optional[torch.Tensor], state_indices: torch.Tensor, silu: bool,
+                    bias: Optional[torch.Tensor], state_indices: torch.Tensor, silu: bool, dilation: int,
                     null_slot: int, out: torch.Tensor, *, bind: bool = False) -> Optional[Launch]:
         """One token per row: writes ``out`` and shifts the history columns ``[0, history)`` of
         the row's slot by one token, the new token last."""

@@ -50,15 +50,16 @@ _TAIL = "str backend, bool? check"
 
 SCHEMAS = {
     "conv_verify": "(Tensor x, Tensor(a!) conv_state, Tensor weight, Tensor? bias, Tensor state_indices, "
-                   "Tensor query_start_loc, bool silu, int null_slot, Tensor(b!) out, Tensor(c!)? pending_plan, "
-                   f"Tensor? pending_rows, {_TAIL}) -> ()",
+                   "Tensor query_start_loc, bool silu, int dilation, int null_slot, Tensor(b!) out, "
+                   f"Tensor(c!)? pending_plan, Tensor? pending_rows, {_TAIL}) -> ()",
     "conv_decode": "(Tensor x, Tensor(a!) conv_state, Tensor weight, Tensor? bias, Tensor state_indices, "
-                   f"bool silu, int null_slot, Tensor(b!) out, {_TAIL}) -> ()",
+                   f"bool silu, int dilation, int null_slot, Tensor(b!) out, {_TAIL}) -> ()",
     "plan_commit": "(Tensor num_accepted, Tensor state_indices, Tensor query_start_loc, Tensor? request_indices, "
                    "Tensor? block_table, Tensor? num_computed_tokens, int? block_size, int null_slot, "
                    f"int? num_slots, {_TAIL}) -> (Tensor, Tensor, Tensor, Tensor)",
     "commit": "(Tensor(a!)[] states, Tensor(b!)[] conv_states, Tensor[] corrections, Tensor[] keys, "
-              "Tensor[] decays, int[] groups, int[] conv_widths, Tensor num_accepted, Tensor query_start_loc, "
+              "Tensor[] decays, int[] groups, int[] conv_widths, int[] conv_dilations, Tensor num_accepted, "
+              "Tensor query_start_loc, "
               "Tensor[] state_indices, Tensor?[] request_indices, Tensor?[] block_tables, "
               "Tensor?[] num_computed_tokens, int[] block_sizes, int null_slot, int max_batch, int context, "
               f"{_TAIL}) -> ()",
@@ -67,7 +68,8 @@ SCHEMAS = {
              "Tensor?[] num_computed_tokens, int[] block_sizes, int null_slot, int max_batch, int context, "
              f"{_TAIL}) -> ()",
     "flush": "(Tensor(a!)[] states, Tensor(b!)[] conv_states, Tensor[] corrections, Tensor[] keys, "
-             "Tensor[] decays, int[] groups, int[] conv_widths, Tensor(c!) plan, Tensor parity, Tensor rows, "
+             "Tensor[] decays, int[] groups, int[] conv_widths, int[] conv_dilations, Tensor(c!) plan, "
+             "Tensor parity, Tensor rows, "
              f"int null_slot, int max_batch, int context, {_TAIL}) -> ()",
 }
 for _kind in ("gdn", "kda"):
@@ -121,10 +123,10 @@ def backend_for(op: str, name: str, device: torch.device) -> Backend:
 # implementations (keyword arguments named as in the schema; ``bind``: return the launch bound to
 # the call's addresses, for repeats)
 # ------------------------------------------------------------------------------------------------
-def _conv_verify(x, conv_state, weight, bias, state_indices, query_start_loc, silu, null_slot, out,
+def _conv_verify(x, conv_state, weight, bias, state_indices, query_start_loc, silu, dilation, null_slot, out,
                  pending_plan, pending_rows, backend, check, static=False, bind=False):
-    check_conv("conv_verify", x, conv_state, weight, bias, state_indices, query_start_loc, null_slot, out, check,
-               static, pending_plan, pending_rows)
+    check_conv("conv_verify", x, conv_state, weight, bias, state_indices, query_start_loc, dilation, null_slot, out,
+               check, static, pending_plan, pending_rows)
     if static:
         return None
     be = backend_for("conv_verify", backend, conv_state.device)
@@ -132,17 +134,18 @@ def _conv_verify(x, conv_state, weight, bias, state_indices, query_start_loc, si
     if pending_plan is not None:
         _registry.backend_for("conv_verify", "deferred", backend, conv_state.device)     # declared, or refused
         pending = PendingInputs(pending_plan, pending_rows, None)
-    return be.conv_verify(x, conv_state, weight, bias, state_indices, query_start_loc, silu, null_slot, out,
-                          pending=pending, bind=bind)
+    return be.conv_verify(x, conv_state, weight, bias, state_indices, query_start_loc, silu, dilation, null_slot,
+                          out, pending=pending, bind=bind)
 
 
-def _conv_decode(x, conv_state, weight, bias, state_indices, silu, null_slot, out, backend, check, static=False,
-                 bind=False):
-    check_conv("conv_decode", x, conv_state, weight, bias, state_indices, None, null_slot, out, check, static)
+def _conv_decode(x, conv_state, weight, bias, state_indices, silu, dilation, null_slot, out, backend, check,
+                 static=False, bind=False):
+    check_conv("conv_decode", x, conv_state, weight, bias, state_indices, None, dilation, null_slot, out, check,
+               static)
     if static:
         return None
     be = backend_for("conv_decode", backend, conv_state.device)
-    return be.conv_decode(x, conv_state, weight, bias, state_indices, silu, null_slot, out, bind=bind)
+    return be.conv_decode(x, conv_state, weight, bias, state_indices, silu, dilation, null_slot, out, bind=bind)
 
 
 def _recurrence(kind: str, mode: str, op: str):

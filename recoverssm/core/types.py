@@ -101,6 +101,12 @@ class ReplayRecords:
         return self.correction.device
 
 
+def conv_history(width: int, dilation: int = 1) -> int:
+    """Columns of conv history a width-``width`` conv with taps ``dilation`` tokens apart reads
+    before a window: ``(width - 1) * dilation``."""
+    return (width - 1) * dilation
+
+
 @dataclass
 class LayerCache:
     """One recurrent layer's caches, as the commit sees them.
@@ -108,9 +114,9 @@ class LayerCache:
     ``state``: ``[num_slots, HV, V, K]`` fp32 or bf16, K contiguous.
     ``records``: the layer's :class:`ReplayRecords`.
     ``conv_state``: optional ``[num_slots, conv_dim, history + window]`` (``history =
-    conv_width - 1``; ``window >= records.max_window``), compacted by the commit.
+    (conv_width - 1) * conv_dilation``; ``window >= records.max_window``), compacted by the commit.
     ``conv_width``: the conv kernel's width (``weight.shape[1]`` of ``conv_verify``); required
-    with a conv state, which holds ``conv_width - 1`` columns of history.
+    with a conv state. ``conv_dilation``: the ``dilation`` of its ``conv_verify`` (default 1).
 
     Holds the tensors it is given: a :class:`~recoverssm.CommitContext` built over it keeps
     pointers to them, so reallocating a pool means building a new context.
@@ -120,13 +126,14 @@ class LayerCache:
     records: ReplayRecords
     conv_state: Optional[torch.Tensor] = None
     conv_width: Optional[int] = None
+    conv_dilation: int = 1
 
     @property
     def conv_history(self) -> int:
-        """Columns of conv history (``conv_width - 1``); 0 without a conv state."""
+        """Columns of conv history (``(conv_width - 1) * conv_dilation``); 0 without a conv state."""
         if self.conv_state is None or self.conv_width is None:
             return 0
-        return self.conv_width - 1
+        return conv_history(self.conv_width, self.conv_dilation)
 
 
 @dataclass

@@ -13,33 +13,34 @@ import torch
 from ...core.backend import PendingInputs
 from ...core.indices import is_slot
 from ...core.plan import plan_entry
-from ...core.types import PLAN_FIELDS
+from ...core.types import PLAN_FIELDS, conv_history
 from .recurrence import row_bounds
 from .numerics import silu_rows
 
 
 def conv_outputs(seq: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], count: int,
-                 silu: bool) -> torch.Tensor:
+                 silu: bool, dilation: int = 1) -> torch.Tensor:
     """``count`` outputs ``[count, conv_dim]`` fp32 of the conv over ``seq`` ``[conv_dim, history +
-    count]`` (fp32): ``y_p = act(bias + sum_j weight[:, j] * seq[:, p + j])``, accumulated in the
-    order ``bias, j = 0 .. width-1``, each step one multiply and one add (no fused multiply-add)."""
+    count]`` (fp32): ``y_p = act(bias + sum_j weight[:, j] * seq[:, p + j * dilation])``,
+    accumulated in the order ``bias, j = 0 .. width-1``, each step one multiply and one add (no
+    fused multiply-add)."""
     w = weight.float()
     acc = torch.zeros(count, seq.shape[0], dtype=torch.float32)
     if bias is not None:
         acc += bias.float()
     for j in range(w.shape[1]):
-        acc = acc + w[:, j] * seq[:, j:j + count].t()
+        acc = acc + w[:, j] * seq[:, j * dilation:j * dilation + count].t()
     return silu_rows(acc) if silu else acc
 
 
 def conv_verify(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
                 bias: Optional[torch.Tensor], state_indices: torch.Tensor,
-                query_start_loc: torch.Tensor, silu: bool, null_slot: int, out: torch.Tensor,
+                query_start_loc: torch.Tensor, silu: bool, dilation: int, null_slot: int, out: torch.Tensor,
                 pending: Optional[PendingInputs] = None) -> None:
     """``x``, ``out``: ``[T_total, conv_dim]``; ``weight``: ``[conv_dim, width]``; ``bias``: ``[conv_dim]``.
     ``pending``: a live row that continues a deferred row first compacts that row's history into
     its final (and boundary) slot, as the commit would have, and works on the final slot."""
-    history = weight.shape[1] - 1
+    history = conv_history(weight.shape[1], dilation)
     num_slots, _, cols = conv_state.shape
     window_cols = cols - history
     starts, spans, lengths = row_bounds(query_start_loc, x.shape[0], window_cols)
@@ -61,23 +62,23 @@ def conv_verify(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
             continue
         window = x[start:start + length]
         seq = torch.cat([conv_state[slot, :, :history].float(), window.float().t()], dim=1)
-        out[start:start + length] = conv_outputs(seq, weight, bias, length, silu).to(out.dtype)
+        out[start:start + length] = conv_outputs(seq, weight, bias, length, silu, dilation).to(out.dtype)
         conv_state[slot, :, history:history + length] = window.t().to(conv_state.dtype)
 
 
 def conv_decode(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
-                bias: Optional[torch.Tensor], state_indices: torch.Tensor, silu: bool, null_slot: int,
-                out: torch.Tensor) -> None:
+                bias: Optional[torch.Tensor], state_indices: torch.Tensor, silu: bool, dilation: int,
+                null_slot: int, out: torch.Tensor) -> None:
     """``x``, ``out``: ``[B, conv_dim]``, one token per row: the output of a one-token window, then
     the history shifted left by one with the token (in the conv state's dtype) last."""
-    history = weight.shape[1] - 1
+    history = conv_history(weight.shape[1], dilation)
     num_slots = conv_state.shape[0]
     for r, slot in enumerate(state_indices.tolist()):
         if not is_slot(slot, null_slot, num_slots):
             out[r] = 0
             continue
         seq = torch.cat([conv_state[slot, :, :history].float(), x[r:r + 1].float().t()], dim=1)
-        out[r] = conv_outputs(seq, weight, bias, 1, silu)[0].to(out.dtype)
+        out[r] = conv_outputs(seq, weight, bias, 1, silu, dilation)[0].to(out.dtype)
         shifted = torch.cat([conv_state[slot, :, 1:history], x[r:r + 1].t().to(conv_state.dtype)], dim=1)
         conv_state[slot, :, :history] = shifted[:, shifted.shape[1] - history:]
 

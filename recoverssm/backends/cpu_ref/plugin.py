@@ -21,15 +21,16 @@ class CpuRefBackend(Backend):
 
     # The reference computes on the host: it hands over no launch to repeat (``bind`` is ignored).
     # It writes through PyTorch operations, which move version counters; the op moves each once.
-    def conv_verify(self, x, conv_state, weight, bias, state_indices, query_start_loc, silu,
+    def conv_verify(self, x, conv_state, weight, bias, state_indices, query_start_loc, silu, dilation,
                     null_slot, out, *, pending=None, bind=False):
         with versions_kept((conv_state, out, pending.plan if pending is not None else None)):
-            conv.conv_verify(x, conv_state, weight, bias, state_indices, query_start_loc, silu,
+            conv.conv_verify(x, conv_state, weight, bias, state_indices, query_start_loc, silu, dilation,
                              null_slot, out, pending)
 
-    def conv_decode(self, x, conv_state, weight, bias, state_indices, silu, null_slot, out, *, bind=False):
+    def conv_decode(self, x, conv_state, weight, bias, state_indices, silu, dilation, null_slot, out, *,
+                    bind=False):
         with versions_kept((conv_state, out)):
-            conv.conv_decode(x, conv_state, weight, bias, state_indices, silu, null_slot, out)
+            conv.conv_decode(x, conv_state, weight, bias, state_indices, silu, dilation, null_slot, out)
 
     def recurrence(self, mode, q, k, v, state, state_indices, query_start_loc, gates, scale,
                    use_qk_l2norm, null_slot, out, records, snapshot_slots, *, pending=None, bind=False):

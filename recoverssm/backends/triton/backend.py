@@ -66,19 +66,20 @@ class TritonBackend(Backend):
                     f"that replays a deferred commit ({where})",
                 "plan_commit, commit": f"triton/commit.py ({where})"}
 
-    def conv_verify(self, x, conv_state, weight, bias, state_indices, query_start_loc, silu,
+    def conv_verify(self, x, conv_state, weight, bias, state_indices, query_start_loc, silu, dilation,
                     null_slot, out, *, pending=None, bind=False) -> Optional[Launch]:
         from . import launch
         with self.device_guard(x.device):
             return self.launch_on(x.device, launch.conv_verify(self.table, x, conv_state, weight, bias, state_indices,
-                                                               query_start_loc, silu, null_slot, out, bind, pending))
+                                                               query_start_loc, silu, dilation, null_slot, out, bind,
+                                                               pending))
 
-    def conv_decode(self, x, conv_state, weight, bias, state_indices, silu, null_slot, out, *,
+    def conv_decode(self, x, conv_state, weight, bias, state_indices, silu, dilation, null_slot, out, *,
                     bind=False) -> Optional[Launch]:
         from . import launch
         with self.device_guard(x.device):
             return self.launch_on(x.device, launch.conv_decode(self.table, x, conv_state, weight, bias, state_indices,
-                                                               silu, null_slot, out, bind))
+                                                               silu, dilation, null_slot, out, bind))
 
     def recurrence(self, mode, q, k, v, state, state_indices, query_start_loc, gates, scale,
                    use_qk_l2norm, null_slot, out, records, snapshot_slots, *, pending=None,

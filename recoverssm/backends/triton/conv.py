@@ -2,8 +2,9 @@
 token per row, the history shifted in place).
 
 One program owns one (batch row, BD-block of channels). Window position ``p``'s output reads the
-``WIDTH`` inputs ``seq[p .. p + WIDTH - 1]`` where ``seq = history columns ++ window inputs``:
-the first ``HISTORY`` come from ``conv_state``, the rest straight from ``x``. Both kernels
+``WIDTH`` inputs ``seq[p + j * DILATION]``, ``j < WIDTH``, where ``seq = history columns ++
+window inputs``: the first ``HISTORY = (WIDTH - 1) * DILATION`` come from ``conv_state``, the
+rest straight from ``x``. Both kernels
 accumulate with ``conv_output`` (bias, then ``j = 0 .. WIDTH-1``, a multiply and an add each:
 the kernels are compiled without contraction), so a token's output is the same bits whichever
 op computed it. Conv states are rounded to their dtype with ``to_storage`` (to nearest even on
@@ -67,13 +68,13 @@ def conv_verify_kernel(
     x_ptr, conv_ptr, w_ptr, bias_ptr, out_ptr, state_indices_ptr, qsl_ptr, pending_rows_ptr, plan_ptr,
     stride_x_t, stride_c_slot, stride_c_dim, stride_c_col, stride_w_d, stride_w_j, stride_o_t,
     dim, num_tokens, num_slots, null_slot, max_window, plan_rows, has_pending,
-    WIDTH: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    WIDTH: tl.constexpr, DILATION: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     """A window per row. Where ``has_pending``, a row that continues a deferred step
     (``pending_rows``) first compacts its history into the step's final (and boundary) slot
     (``compact_pending``), and its window goes to the final slot."""
-    HISTORY: tl.constexpr = WIDTH - 1
+    HISTORY: tl.constexpr = (WIDTH - 1) * DILATION
     i_d = tl.program_id(0)
     row = tl.program_id(1)
     offs_d = i_d * BD + tl.arange(0, BD)
@@ -94,7 +95,7 @@ def conv_verify_kernel(
         for p in range(0, length):
             acc = conv_start(bias_ptr, offs_d, mask_d, HAS_BIAS, BD)
             for j in tl.static_range(WIDTH):
-                col = p + j                      # position in history ++ window
+                col = p + j * DILATION           # position in history ++ window
                 in_history = col < HISTORY
                 # tl.where builds the masks so they stay int1 tensors even where the
                 # condition folds to a Python bool (the interpreter runs loops in Python).
@@ -123,13 +124,13 @@ def conv_decode_kernel(
     x_ptr, conv_ptr, w_ptr, bias_ptr, out_ptr, state_indices_ptr,
     stride_x_t, stride_c_slot, stride_c_dim, stride_c_col, stride_w_d, stride_w_j, stride_o_t,
     dim, num_slots, null_slot,
-    WIDTH: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    WIDTH: tl.constexpr, DILATION: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     """Row ``r``'s one token: the output of a one-token window, then the history shifted left by
     one with the token last. Every history column is loaded before any is stored."""
-    HISTORY: tl.constexpr = WIDTH - 1
-    COLS: tl.constexpr = triton.next_power_of_2(WIDTH)
+    HISTORY: tl.constexpr = (WIDTH - 1) * DILATION
+    COLS: tl.constexpr = triton.next_power_of_2(HISTORY + 1)
     i_d = tl.program_id(0)
     row = tl.program_id(1)
     offs_d = i_d * BD + tl.arange(0, BD)
@@ -146,8 +147,8 @@ def conv_decode_kernel(
         history = tl.load(conv_row[:, None] + cols * stride_c_col, mask=in_history, other=0.0)
         acc = conv_start(bias_ptr, offs_d, mask_d, HAS_BIAS, BD)
         for j in tl.static_range(WIDTH):
-            if j < HISTORY:
-                value = tl.load(conv_row + j * stride_c_col, mask=mask_d, other=0.0).to(tl.float32)
+            if j < WIDTH - 1:
+                value = tl.load(conv_row + j * DILATION * stride_c_col, mask=mask_d, other=0.0).to(tl.float32)
             else:
                 value = x_t.to(tl.float32)
             acc = conv_output(acc, w_ptr, offs_d, mask_d, stride_w_d, stride_w_j, j, value)

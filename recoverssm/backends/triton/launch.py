@@ -17,6 +17,7 @@ import triton
 
 from ...core.backend import CommitLayer, Committer, GateInputs, GroupStep, PendingInputs
 from ...core.pointers import PointerEncoding
+from ...core.types import conv_history
 from . import commit as commit_kernels
 from .commit import grouped_commit_kernel, plan_commit_kernel
 from .config import CommitSpec, LaunchTable, RecurrenceSpec, interpreting
@@ -59,14 +60,16 @@ def _conv_args(x, conv_state, weight, bias, out):
              weight.stride(0), weight.stride(1), out.stride(0)))
 
 
-def _conv_constexprs(table: LaunchTable, width: int, bias, silu) -> tuple[dict, dict]:
+def _conv_constexprs(table: LaunchTable, width: int, dilation: int, bias, silu) -> tuple[dict, dict]:
     spec = table.conv
-    return (dict(WIDTH=width, BD=spec.block, HAS_BIAS=bias is not None, SILU=bool(silu), INTERPRETED=interpreting()),
+    return (dict(WIDTH=width, DILATION=dilation, BD=spec.block, HAS_BIAS=bias is not None, SILU=bool(silu),
+                 INTERPRETED=interpreting()),
             table.options(spec.warps))
 
 
 def conv_verify(table: LaunchTable, x, conv_state, weight, bias, state_indices, query_start_loc,
-                silu, null_slot, out, bind: bool = False, pending: Optional[PendingInputs] = None) -> Optional[Bound]:
+                silu, dilation, null_slot, out, bind: bool = False,
+                pending: Optional[PendingInputs] = None) -> Optional[Bound]:
     dim, width = x.shape[1], weight.shape[1]
     B = state_indices.shape[0]
     replays = pending is not None and pending.rows is not None
@@ -76,12 +79,12 @@ def conv_verify(table: LaunchTable, x, conv_state, weight, bias, state_indices, 
     grid = (triton.cdiv(dim, table.conv.block), _grid_axis("conv_verify: state_indices", B))
     rows, plan = (pending.rows, pending.plan) if replays else (state_indices, state_indices)   # unused otherwise
     args = (*tensors, state_indices, query_start_loc, rows, plan, *strides,
-            dim, x.shape[0], conv_state.shape[0], null_slot, conv_state.shape[2] - (width - 1),
+            dim, x.shape[0], conv_state.shape[0], null_slot, conv_state.shape[2] - conv_history(width, dilation),
             plan.shape[-1] if replays else 0, int(replays))
-    return _CONV_VERIFY(grid, args, *_conv_constexprs(table, width, bias, silu), bind=bind)
+    return _CONV_VERIFY(grid, args, *_conv_constexprs(table, width, dilation, bias, silu), bind=bind)
 
 
-def conv_decode(table: LaunchTable, x, conv_state, weight, bias, state_indices, silu, null_slot,
+def conv_decode(table: LaunchTable, x, conv_state, weight, bias, state_indices, silu, dilation, null_slot,
                 out, bind: bool = False) -> Optional[Bound]:
     dim, width = x.shape[1], weight.shape[1]
     B = state_indices.shape[0]
@@ -90,7 +93,7 @@ def conv_decode(table: LaunchTable, x, conv_state, weight, bias, state_indices, 
     tensors, strides = _conv_args(x, conv_state, weight, bias, out)
     grid = (triton.cdiv(dim, table.conv.block), _grid_axis("conv_decode: state_indices", B))
     args = (*tensors, state_indices, *strides, dim, conv_state.shape[0], null_slot)
-    return _CONV_DECODE(grid, args, *_conv_constexprs(table, width, bias, silu), bind=bind)
+    return _CONV_DECODE(grid, args, *_conv_constexprs(table, width, dilation, bias, silu), bind=bind)
 
 
 # ------------------------------------------------------------------------------------------------
