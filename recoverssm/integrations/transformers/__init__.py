@@ -11,8 +11,9 @@ accepted tokens when generate rolls its cache back::
     with speculative(model):
         out = model.generate(input_ids, prompt_lookup_num_tokens=4, max_new_tokens=64)
 
-* :mod:`.adapters`: the supported modules (Qwen3-Next, Qwen3.5, OLMo-hybrid, Kimi-Linear) and how each maps
-  onto the ops;
+* :mod:`.adapters`: the supported modules (Qwen3-Next, Qwen3.5, Qwen4Exp, OLMo-hybrid, Kimi-Linear)
+  and how each maps onto the ops;
+* :mod:`.ple`: Qwen4Exp's per-layer embeddings (a dilated conv and an n-gram id history);
 * :mod:`.layer`: one layer's state, history, records and commits;
 * :mod:`.context`: the context manager and the cache layers' rollback.
 """

@@ -106,13 +106,13 @@ def _kimi_finish(m, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 ADAPTERS = {
     "Qwen3NextGatedDeltaNet": Adapter("Qwen3-Next", "gdn", _gdn_sizes, _qwen3_next_project, _gdn_finish),
     "Qwen3_5GatedDeltaNet": Adapter("Qwen3.5", "gdn", _gdn_sizes, _qwen3_5_project, _gdn_finish),
+    "Qwen4ExpTextGatedDeltaNet": Adapter("Qwen4Exp", "gdn", _gdn_sizes, _qwen3_5_project, _gdn_finish),
     "OlmoHybridGatedDeltaNet": Adapter("OLMo-hybrid", "gdn", _gdn_sizes, _olmo_project, _olmo_finish),
     "KimiLinearDeltaAttention": Adapter("Kimi-Linear", "kda", _kimi_sizes, _kimi_project, _kimi_finish),
 }
 
 #: Recurrent modules of models transformers marks stateful that RecoverSSM does not serve yet.
 NOT_YET = {
-    "Qwen4ExpTextGatedDeltaNet": "Qwen4Exp (its per-layer embeddings need the dilated short conv)",
     "Mamba2Mixer": "Mamba2",
     "NemotronHMamba2Mixer": "Nemotron-H (Mamba2)",
     "GraniteMoeHybridMambaLayer": "Granite 4.0-H (Mamba2)",

@@ -26,8 +26,13 @@ import torch
 
 from .adapters import ADAPTERS, NOT_YET, Adapter, supported_models
 from .layer import LayerRun
+from .ple import NGramHistory, PLEConvRun
 
-_RUN = "_recoverssm_run"
+_RUN = "_recoverssm_run"         # the layer's recurrence and conv (LayerRun)
+_PLE = "_recoverssm_ple"         # Qwen4Exp: the per-layer embedding's dilated conv (PLEConvRun)
+_NGRAM = "_recoverssm_ngram"     # Qwen4Exp: the per-layer embedding's n-gram ids (NGramHistory)
+_PARTS = (_RUN, _PLE, _NGRAM)
+PLE_LAYER = "Qwen4ExpTextPLELayer"
 
 
 class UnsupportedModelError(ValueError):
@@ -56,14 +61,19 @@ def _croppable(cls: type) -> type:
     sub = _CROPPABLE.get(cls)
     if sub is None:
         def crop(self, tokens_to_remove: int) -> None:
-            run = getattr(self, _RUN, None)
+            run, ple, ngram = (self.__dict__.get(part) for part in _PARTS)
+            if run is None and ple is None and tokens_to_remove != 0:
+                raise RuntimeError(f"crop({tokens_to_remove}) before the layer ran a window")
             if run is not None:
                 run.crop(tokens_to_remove)
-            elif tokens_to_remove != 0:
-                raise RuntimeError(f"crop({tokens_to_remove}) before the layer ran a window")
+            if ple is not None:
+                ple.crop(tokens_to_remove)
+            if ngram is not None:
+                ngram.crop(self, tokens_to_remove)
 
         def reset(self) -> None:
-            self.__dict__.pop(_RUN, None)
+            for part in _PARTS:
+                self.__dict__.pop(part, None)
             cls.reset(self)
 
         sub = type(f"RecoverSSM{cls.__name__}", (cls,), {
@@ -78,9 +88,22 @@ def _croppable(cls: type) -> type:
 
 
 
+def _take_over(layer) -> None:
+    """The cache layer's rollback becomes a commit (its class), and its conv states keep their
+    working width (no recording of the past: the layer's own rollback does not run)."""
+    if getattr(type(layer), "_recoverssm_base", None) is None:
+        layer.__class__ = _croppable(type(layer))
+    layer.record_past = False
+
+
 def _hand_back(layer) -> None:
-    """Commit what is pending, write the state and history back in transformers' layout, give
+    """Commit what is pending, write the states and histories back in transformers' layout, give
     the layer its class back."""
+    layer.__dict__.pop(_NGRAM, None)
+    ple: Optional[PLEConvRun] = layer.__dict__.pop(_PLE, None)
+    if ple is not None:
+        conv = layer.conv_states[1]
+        conv[:1, :, conv.shape[-1] - ple.history:].copy_(ple.history_columns().to(conv.dtype))
     run: LayerRun = layer.__dict__.pop(_RUN, None)
     if run is not None:
         run.commit_pending()
@@ -106,9 +129,7 @@ def _layer_forward(module: torch.nn.Module, adapter: Adapter, spec: _Speculation
         if run is not None:
             return run.run(hidden_states)
         # The prefill: the module's own path for all but the candidates, then hand over.
-        if getattr(type(layer), "_recoverssm_base", None) is None:
-            layer.__class__ = _croppable(type(layer))
-        layer.record_past = False
+        _take_over(layer)
         T = hidden_states.shape[1]
         # at least one token through the module's own path where the cache layer has no state yet
         tail = min(spec.tail, T if layer.has_previous_state[0] else T - 1)
@@ -124,6 +145,49 @@ def _layer_forward(module: torch.nn.Module, adapter: Adapter, spec: _Speculation
             outs.append(run.run(hidden_states[:, head:], candidates=True))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return forward
+
+
+def _ple_forwards(module: torch.nn.Module, spec: _Speculation) -> dict:
+    """The instance attributes a Qwen4Exp PLE layer gets inside the context: ``_short_conv`` on
+    the module, ``forward`` on its n-gram embedding."""
+    original_conv = type(module)._short_conv
+    embedding = module.ple_embedding
+    original_embedding = type(embedding).forward
+
+    def short_conv(hidden_states: torch.Tensor, cache=None) -> torch.Tensor:
+        if cache is None or hidden_states.shape[0] != 1:
+            return original_conv(module, hidden_states, cache)
+        layer = cache.layers[module.layer_idx]
+        run: Optional[PLEConvRun] = layer.__dict__.get(_PLE)
+        if run is not None:
+            return run.run(hidden_states)
+        _take_over(layer)
+        T = hidden_states.shape[1]
+        tail = min(spec.tail, T if layer.conv_states[1] is not None else T - 1)
+        head = T - tail
+        outs = [original_conv(module, hidden_states[:, :head], cache)] if head > 0 else []
+        run = PLEConvRun(module, layer.conv_states[1], spec.backend)
+        layer.__dict__[_PLE] = run
+        spec.layers.add(layer)
+        if tail > 0:
+            outs.append(run.run(hidden_states[:, head:], candidates=True))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+    def ngram_forward(input_ids: torch.Tensor, cache=None) -> torch.Tensor:
+        if cache is None or input_ids.shape[0] != 1:
+            return original_embedding(embedding, input_ids, cache)
+        layer = cache.layers[embedding.layer_idx]
+        _take_over(layer)
+        seen = cache.get_conv_state(embedding.layer_idx, state_idx=2)
+        previous = (seen.clone() if seen is not None
+                    else input_ids.new_full((1, embedding.context_len), embedding.eos_token_id)).long()
+        out = original_embedding(embedding, input_ids, cache)
+        history = layer.__dict__.setdefault(_NGRAM, NGramHistory(embedding.context_len))
+        history.saw(previous, input_ids.long())
+        spec.layers.add(layer)
+        return out
+
+    return {module: {"_short_conv": short_conv}, embedding: {"forward": ngram_forward}}
 
 
 def _linear_modules(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Adapter]]:
@@ -150,8 +214,8 @@ def speculative(model: torch.nn.Module, *, backend: Optional[str] = None) -> Ite
     candidates without writing their state and commit the accepted tokens when generate rolls
     its cache back.
 
-    ``model``: a transformers model with Qwen3-Next, Qwen3.5, OLMo-hybrid or Kimi-Linear linear-attention
-    layers (``supported_models()``), on the CPU or a GPU, fp32 or bf16. ``backend``: a RecoverSSM
+    ``model``: a transformers model with Qwen3-Next, Qwen3.5, Qwen4Exp, OLMo-hybrid or Kimi-Linear
+    linear-attention layers (``supported_models()``), on the CPU or a GPU, fp32 or bf16. ``backend``: a RecoverSSM
     backend name (default: chosen by the tensors' device). Scoped to this instance and undone on
     exit (see the module docstring)::
 
@@ -171,17 +235,21 @@ def speculative(model: torch.nn.Module, *, backend: Optional[str] = None) -> Ite
                              "model without recurrent layers as the assistant, or prompt lookup")
         return original_candidates(*args, **kwargs)
 
+    patches = {module: {"forward": _layer_forward(module, adapter, spec)} for module, adapter in modules}
+    for ple in (m for m in model.modules() if type(m).__name__ == PLE_LAYER):
+        patches.update(_ple_forwards(ple, spec))
     hook = model.register_forward_pre_hook(spec.before_forward, with_kwargs=True)
     model.__dict__["_is_stateful"] = False
     model.__dict__["_get_candidate_generator"] = get_candidate_generator
-    for module, adapter in modules:
-        module.forward = _layer_forward(module, adapter, spec)
+    for module, attrs in patches.items():
+        module.__dict__.update(attrs)
     try:
         yield model
     finally:
         hook.remove()
-        for module, _ in modules:
-            module.__dict__.pop("forward", None)
+        for module, attrs in patches.items():
+            for name in attrs:
+                module.__dict__.pop(name, None)
         for name in ("_is_stateful", "_get_candidate_generator"):
             model.__dict__.pop(name, None)
         model.__dict__.update(saved)
