@@ -7,12 +7,13 @@ off, for ``compute-sanitizer --tool memcheck`` and ``--tool racecheck`` (see doc
 Legal: conv_verify, conv_decode, gdn_verify (three times each with one layout, so that the last
 calls repeat their bound launches), kda_verify, gdn_decode, gdn_spec_decode_snapshot, an
 align-mode grouped commit of two KV-cache groups with conv compaction (repeated with the same
-tensors, which repeats the bound launch), a bf16 commit and a mixed GDN + KDA commit; deferred
+tensors, which repeats the bound launch), a bf16 commit, a mixed GDN + KDA commit, a dilated conv
+and its compaction; deferred
 commits (verify and conv verify replaying the pending step, defer, flush), also with adversarial
 pending rows and a plan of out-of-range values.
 Adversarial (``check=False``: shapes are checked, values are not): slots between ``null_slot`` and
 0, past the pool, the int32 extremes; ``query_start_loc`` that decreases, runs past the tokens,
-or is negative; ``num_accepted`` negative and huge; request rows out of range; block tables with
+or is negative (the dilated conv too); ``num_accepted`` negative and huge; request rows out of range; block tables with
 entries between ``null_slot`` and 0 and ``num_computed_tokens`` near 2^31. The script then checks
 that guard slots around the pools were not written.
 """
@@ -75,9 +76,16 @@ def legal_calls() -> None:
                   records=krec, a=ka, b=w.b, A_log=w.A_log, dt_bias=kbias)
     rs.CommitContext([[rs.LayerCache(state, w.records), rs.LayerCache(kstate, krec)]], max_batch=R).commit(
         step.num_accepted, step.state_indices, step.query_start_loc, check=True, **align)
+    # a dilated conv (taps 3 tokens apart: a history of 9 columns) and its compaction in the commit
+    dilated = torch.randn(step.num_slots, 64, 9 + T, device="cuda")
+    rs.conv_verify(conv_in, dilated, weight, None, state_indices=step.state_indices,
+                   query_start_loc=step.query_start_loc, dilation=3, out=conv_out)
+    rs.conv_decode(conv_in[:R], dilated, weight, None, state_indices=step.state_indices, dilation=3, out=decode_out)
+    rs.CommitContext([[rs.LayerCache(state, w.records, dilated, conv_width=4, conv_dilation=3)]], max_batch=R).commit(
+        step.num_accepted, step.state_indices, step.query_start_loc, check=True, **align)
     rs.gdn_decode(w.q, w.k, w.v, state=state, state_indices=w.state_indices, query_start_loc=w.query_start_loc,
                   **w.gates())
-    snaps = torch.arange(R * T, dtype=I32, device="cuda").view(R, T) % step.num_slots
+    snaps = torch.arange(R * T, dtype=I32, device="cuda").view(R, T)     # distinct, below the rows' slots
     snap_pool = torch.randn(step.num_slots + R * T, HV, V, K, device="cuda")
     rs.gdn_spec_decode_snapshot(w.q, w.k, w.v, state=snap_pool, state_indices=w.state_indices + R * T,
                                 query_start_loc=w.query_start_loc, snapshot_slots=snaps, **w.gates())
@@ -148,6 +156,11 @@ def adversarial_calls() -> None:
                    null_slot=NULL, check=False)
     rs.conv_decode(x[:R], conv, torch.randn(32, 4, device="cuda"), None, state_indices=slots, null_slot=NULL,
                    check=False)
+    full_dilated, dilated = guarded(torch.randn(6, 32, 6 + T, device="cuda"))     # dilation 2: 6 history columns
+    rs.conv_verify(x, dilated, torch.randn(32, 4, device="cuda"), None, state_indices=slots, query_start_loc=qsl,
+                   null_slot=NULL, dilation=2, check=False)
+    rs.conv_decode(x[:R], dilated, torch.randn(32, 4, device="cuda"), None, state_indices=slots, null_slot=NULL,
+                   dilation=2, check=False)
     # commits: a block table with entries between null_slot and 0 and past the pool, computed
     # tokens near 2^31, accepted counts negative and huge, request rows out of range
     block_table = torch.tensor([[NULL + 1, 0], [1, -2], [INT32_MAX, 2], [3, 4], [5, NULL + 1], [0, 1], [2, 3],
@@ -155,7 +168,9 @@ def adversarial_calls() -> None:
     computed = torch.tensor([0, INT32_MAX - 2, 3, INT32_MAX, 1, -7, 2, 5], dtype=I32, device="cuda")
     accepted = torch.tensor([3, 2, -4, INT32_MAX, 1, 2, INT32_MIN, 4], dtype=I32, device="cuda")
     requests = torch.tensor([0, 1, 9, -1, 4, 5, 6, 7], dtype=I32, device="cuda")
-    ctx = rs.CommitContext([[rs.LayerCache(state, w.records, conv, conv_width=4)],
+    ctx = rs.CommitContext([[rs.LayerCache(state, w.records, conv, conv_width=4),
+                             rs.LayerCache(state.clone(), rs.ReplayRecords.allocate(R, T, H, HV, K, V, device="cuda"),
+                                           dilated, conv_width=4, conv_dilation=2)],
                             [rs.LayerCache(guarded(w.state[:6].clone())[1], krec)]], max_batch=R, null_slot=NULL)
     for _ in range(2):
         ctx.commit(accepted, slots, qsl, request_indices=requests, block_table=[block_table, None],
@@ -166,6 +181,7 @@ def adversarial_calls() -> None:
     torch.cuda.synchronize()
     assert_guards("state", full_state)
     assert_guards("conv_state", full_conv)
+    assert_guards("dilated conv_state", full_dilated)
 
 
 def main() -> None:
