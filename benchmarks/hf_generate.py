@@ -146,6 +146,7 @@ def main() -> None:
                          "acceptance": round(accepted / counter.candidates, 3) if counter.candidates else None,
                          "ms/step": round(1e3 * seconds / steps, 2),
                          "same tokens as plain": f"{same}/{new_tokens}"})
+            print(rows[-1], flush=True)
         seconds, _ = timed_generate(draft, prompt, common, device, args.repeat)
         rows.append({"prompt": name, "mode": "assistant alone", "tokens/s": round(new_tokens / seconds, 1),
                      "steps/token": 1.0, "ms/step": round(1e3 * seconds / new_tokens, 2)})

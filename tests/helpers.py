@@ -372,7 +372,8 @@ def _softplus64(x: torch.Tensor) -> torch.Tensor:
 
 def ref_gdn(p: Problem, *, scale: Optional[float] = None, use_qk_l2norm: bool = True,
             null_slot: int = -1) -> dict:
-    """Step-by-step float64 GDN over every row (the recurrence of docs/API.md).
+    """Step-by-step float64 GDN over every row (the recurrence of docs/API.md; with a non-fp32
+    pool the state is rounded to the pool's dtype after every token, the output taken before).
 
     Returns ``out`` [T, HV, V] f64, and per live row ``r``: ``corr[r]`` [HV, len, V],
     ``key[r]`` [H, len, K], ``decay[r]`` [HV, len], ``states[r]`` (list of len+1 f64 states,
@@ -414,6 +415,8 @@ def ref_gdn(p: Problem, *, scale: Optional[float] = None, use_qk_l2norm: bool = 
                 c[hv] = beta[hv] * (vt[hv] - Sp @ kh[h])
                 S[hv] = Sp + torch.outer(c[hv], kh[h])
                 o[hv] = S[hv] @ qh[h]
+            if p.state.dtype != torch.float32:
+                S = S.to(p.state.dtype).double()
             out[i] = o
             corr.append(c)
             key.append(kh.clone())

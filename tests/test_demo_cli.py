@@ -2,6 +2,7 @@
 ``check`` and the ``bench`` placeholder."""
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
@@ -47,6 +48,16 @@ def test_demo_is_bit_identical_to_per_token_decoding():
         assert s.emitted == [a + 1 for a in s.accepted]
     assert all(len(t) == sum(s.emitted[q] for s in res.steps) for q, t in enumerate(res.tokens))
     assert res.compared_slots > 0 and res.compared_logits > 0 and res.prefix_blocks_checked > 0
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+@pytest.mark.parametrize("arch", ["gdn", "kda"])
+def test_bf16_state_demo_is_bit_identical_to_per_token_decoding(arch, deferred):
+    """bf16 state pools: the speculative path (eager or deferred commits) gives the states,
+    logits and tokens of one-token-per-call decoding, which stores a bf16 state after every token."""
+    model = dataclasses.replace(TINY, state_dtype="bf16", arch=arch, H=2 if arch == "kda" else TINY.H)
+    res = run_demo(tiny_config(model=model, draft_tokens=3, steps=5, deferred=deferred))
+    assert res.ok and res.tokens == res.ref_tokens and res.compared_slots > 0
 
 
 def test_demo_windows_cross_and_end_on_block_boundaries():

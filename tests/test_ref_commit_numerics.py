@@ -2,6 +2,7 @@
 
     S' = S * d            one fp32 multiply, rounded
     S  = fma(c, k^, S')   S'[i,j] + c[i] * k^[j] with ONE rounding
+    S  = bf16(S)          with a bf16 pool, after every token (to nearest even)
 
 The expected values are computed with exact rational arithmetic (``fractions.Fraction``) and
 correctly rounded to fp32 here, independently of the library's fma helper. Records are written by
@@ -32,8 +33,10 @@ def round_f32(x: Fraction) -> np.float32:
     return best[1]
 
 
-def exact_commit(S0: np.ndarray, corr: np.ndarray, key: np.ndarray, decay: np.ndarray, n: int) -> np.ndarray:
-    """One (row, head) tile: S0 [V, K] fp32; corr [T, V]; key [T, K]; decay [T] or [T, K]."""
+def exact_commit(S0: np.ndarray, corr: np.ndarray, key: np.ndarray, decay: np.ndarray, n: int,
+                 pool_dtype: torch.dtype = torch.float32) -> np.ndarray:
+    """One (row, head) tile: S0 [V, K] fp32; corr [T, V]; key [T, K]; decay [T] or [T, K]; the
+    state rounded to ``pool_dtype`` after every token."""
     S = S0.astype(np.float32).copy()
     V, K = S.shape
     for t in range(n):
@@ -43,7 +46,7 @@ def exact_commit(S0: np.ndarray, corr: np.ndarray, key: np.ndarray, decay: np.nd
                 d = decay[t] if decay.ndim == 1 else decay[t, j]
                 sp = round_f32(Fraction(float(S[i, j])) * Fraction(float(d)))
                 new[i, j] = round_f32(Fraction(float(sp)) + Fraction(float(corr[t, i])) * Fraction(float(key[t, j])))
-        S = new
+        S = torch.from_numpy(new).to(pool_dtype).float().numpy()
     return S
 
 
@@ -90,8 +93,8 @@ def test_commit_rounding_is_exact(vector_decay, state_dtype):
             for hv in range(HV):
                 h = hv // (HV // H)
                 exp = exact_commit(state[slot, hv].float().numpy(), records.correction[r, hv].numpy(),
-                                   records.key[r, h].numpy(), records.decay[r, hv].numpy(), m)
-                expected = torch.from_numpy(exp).to(state_dtype)    # fp32 -> bf16 once, round to nearest even
+                                   records.key[r, h].numpy(), records.decay[r, hv].numpy(), m, state_dtype)
+                expected = torch.from_numpy(exp).to(state_dtype)
                 assert torch.equal(pool[slot, hv], expected), f"n={n} row {r} head {hv}"
         assert torch.equal(pool[1], state[1])
 

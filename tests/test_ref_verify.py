@@ -8,12 +8,19 @@ from helpers import (BF16, F32, Dims, assert_bf16_rounded, assert_close_rel, i32
                      ref_gdn, run_verify)
 
 FP32_TOL = 1e-5
+# With a bf16 pool the state is rounded to bf16 after every token, here and in the float64
+# reference; an element within fp32 error of a bf16 rounding midpoint may round the other way
+# in the two, and the later tokens' outputs and corrections then differ by a part of one bf16
+# ulp of that element. (The bit-exact checks of the rounding are in test_ref_commit_exact.py
+# and test_ref_commit_numerics.py.)
+BF16_POOL_TOL = 2.0 ** -12
 LENS = [3, 0, 8, 1, 5, 4]          # ragged, with a zero-length row
 SLOTS = [4, 0, 1, -1, 6, 2]        # row 3 is a padding row with a token
 
 
 def check_against_ref(p, out, records, ref, *, out_dtype=F32, padding_zero=True):
     qsl = p.qsl.tolist()
+    tol = FP32_TOL if p.state.dtype == F32 else BF16_POOL_TOL
     live = [r for r in range(p.B) if p.state_indices[r] > -1 and p.lens[r] > 0]
     assert live, "test problem has no live row"
     for r in live:
@@ -22,8 +29,8 @@ def check_against_ref(p, out, records, ref, *, out_dtype=F32, padding_zero=True)
         if out_dtype == BF16:
             assert_bf16_rounded(out[s:e], ref["out"][s:e], what=f"out row {r}")
         else:
-            assert_close_rel(out[s:e], ref["out"][s:e], FP32_TOL, f"out row {r}")
-        assert_close_rel(records.correction[r, :, :n], ref["corr"][r], FP32_TOL, f"correction row {r}")
+            assert_close_rel(out[s:e], ref["out"][s:e], tol, f"out row {r}")
+        assert_close_rel(records.correction[r, :, :n], ref["corr"][r], tol, f"correction row {r}")
         assert_close_rel(records.key[r, :, :n], ref["key"][r], FP32_TOL, f"key row {r}")
         assert_close_rel(records.decay[r, :, :n], ref["decay"][r], FP32_TOL, f"decay row {r}")
     if padding_zero:

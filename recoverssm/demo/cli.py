@@ -20,7 +20,7 @@ from recoverssm.console import ProgressBar
 from recoverssm.core.registry import registry
 
 from .checks import DemoMismatch
-from .model import ARCHS, model_config
+from .model import ARCHS, STATE_DTYPES, model_config
 from .report import StepPrinter, intro_lines, summary_lines, tp_intro_lines, tp_lines
 from .run import DemoConfig, resolve_ref_conv, run_demo
 from .tp import init_distributed, run_tp_demo, shard_config
@@ -51,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default: 1; the demo's ops are tiny, and extra intra-op "
                         "threads only add synchronisation, which spins badly on a busy machine)")
+    p.add_argument("--state-dtype", choices=list(STATE_DTYPES), default="fp32",
+                   help="the recurrent state pools' dtype; a bf16 pool is rounded after every token, so "
+                        "the speculative path gives the per-token path's bits for both (default: fp32)")
     p.add_argument("--deferred", action="store_true",
                    help="defer each step's commit into the next step's verify (CommitContext(deferred=True): "
                         "double-buffered records, finished requests flushed); the same bit-identity checks")
@@ -81,7 +84,7 @@ def demo_config(args: argparse.Namespace, device: torch.device) -> DemoConfig:
     return DemoConfig(requests=args.requests, draft_tokens=args.draft_tokens, steps=args.steps,
                       seed=args.seed, device=str(device), backend=args.backend,
                       ref_conv=args.ref_conv, deferred=args.deferred,
-                      model=model_config(args.arch, args.layers, args.lower_bound))
+                      model=model_config(args.arch, args.layers, args.lower_bound, args.state_dtype))
 
 
 class Printer:
@@ -148,7 +151,7 @@ def run_single(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------------
 def run_tensor_parallel(args: argparse.Namespace) -> int:
     """``recoverssm demo --tp N`` on this rank: join the process group torchrun set up, run, leave."""
-    mcfg = model_config(args.arch, args.layers, args.lower_bound)
+    mcfg = model_config(args.arch, args.layers, args.lower_bound, args.state_dtype)
     try:
         # gloo runs anywhere; NCCL only on cuda, so an xpu machine defaults to the CPU here.
         device_type = (parse_device(args.device) if args.device else default_device(("cuda",))).type

@@ -41,6 +41,8 @@ import recoverssm as rs
 
 #: the recurrent layer kinds, as ``--arch`` names them
 ARCHS = ("gdn", "kda")
+#: the recurrent state pools' dtypes the demo runs (``--state-dtype``)
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 #: the library's ops of each layer kind: the speculative path verifies, the per-token path decodes
 RECURRENCES: dict[str, dict[str, Callable[..., torch.Tensor]]] = {
@@ -60,7 +62,7 @@ ARCH_SIZES = {"gdn": {}, "kda": dict(H=4, HV=4)}
 class ModelConfig:
     """Sizes of the demo model. ``H`` q/k heads of dim ``K``, ``HV`` value heads of dim ``V``;
     ``arch``: the recurrent layers' kind; ``lower_bound``: KDA's bounded gate (None: the softplus
-    gate)."""
+    gate); ``state_dtype``: the recurrent state pools' dtype, ``"fp32"`` or ``"bf16"``."""
 
     vocab: int = 512
     hidden: int = 64
@@ -75,6 +77,7 @@ class ModelConfig:
     seed: int = 0
     arch: str = "gdn"
     lower_bound: Optional[float] = None
+    state_dtype: str = "fp32"
 
     def __post_init__(self):
         if self.arch not in ARCHS:
@@ -84,6 +87,13 @@ class ModelConfig:
                              f"HV={self.HV} K={self.K} V={self.V}")
         if self.lower_bound is not None and self.arch != "kda":
             raise ValueError("lower_bound selects KDA's bounded gate: it needs arch 'kda'")
+        if self.state_dtype not in STATE_DTYPES:
+            raise ValueError(f"state_dtype must be one of {', '.join(STATE_DTYPES)}, got {self.state_dtype!r}")
+
+    @property
+    def state_torch_dtype(self) -> torch.dtype:
+        """The recurrent state pools' torch dtype."""
+        return STATE_DTYPES[self.state_dtype]
 
     @property
     def gate_shape(self) -> tuple[int, ...]:
@@ -135,12 +145,14 @@ class ModelConfig:
             bound = "softplus" if self.lower_bound is None else f"bounded, lower_bound {self.lower_bound:g}"
             gate = f", per-channel gates ({bound})"
         return (f"{self.num_layers} {self.arch.upper()} layers, hidden {self.hidden}, {self.heads()}"
-                f"{gate}, conv width {self.conv_width}, vocab {self.vocab}")
+                f"{gate}, conv width {self.conv_width}, vocab {self.vocab}, {self.state_dtype} states")
 
 
-def model_config(arch: str = "gdn", num_layers: int = 4, lower_bound: Optional[float] = None) -> ModelConfig:
+def model_config(arch: str = "gdn", num_layers: int = 4, lower_bound: Optional[float] = None,
+                 state_dtype: str = "fp32") -> ModelConfig:
     """The demo model of ``arch`` (:data:`ARCH_SIZES`) with ``num_layers`` layers."""
-    return ModelConfig(arch=arch, lower_bound=lower_bound, num_layers=num_layers, **ARCH_SIZES.get(arch, {}))
+    return ModelConfig(arch=arch, lower_bound=lower_bound, num_layers=num_layers, state_dtype=state_dtype,
+                       **ARCH_SIZES.get(arch, {}))
 
 
 @dataclass

@@ -44,7 +44,8 @@ class ReferenceEngine:
         self.block_sizes = list(block_sizes)
         self.layers_of = [list(ls) for ls in layers_of]
         dev = model.device
-        self.state = [torch.zeros(num_requests, c.HV, c.V, c.K, device=dev) for _ in range(c.num_layers)]
+        self.state = [torch.zeros(num_requests, c.HV, c.V, c.K, device=dev, dtype=c.state_torch_dtype)
+                      for _ in range(c.num_layers)]
         self.conv_state = [torch.zeros(num_requests, c.conv_dim, c.conv_history, device=dev)
                            for _ in range(c.num_layers)]
         self.num_computed = [0] * num_requests

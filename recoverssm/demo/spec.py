@@ -5,7 +5,7 @@ State layout, as an engine with prefix caching (align mode) holds it:
 * two KV-cache groups (even layers, odd layers), each with its own block size and its own block
   table ``[num_requests, width]`` of slots in its own pools; block ``j`` of a request covers tokens
   ``[j*bs, (j+1)*bs)`` and holds the state after the last of them that has been computed;
-* per layer: ``state [num_slots, HV, V, K]`` fp32, ``conv_state [num_slots, conv_dim, history + T_max]``
+* per layer: ``state [num_slots, HV, V, K]`` (fp32 or bf16), ``conv_state [num_slots, conv_dim, history + T_max]``
   and one :class:`~recoverssm.ReplayRecords` workspace (batch row = request; a decay per K channel
   for KDA layers);
 * per group and request: the *source slot*, the slot holding the state after the last computed
@@ -86,7 +86,8 @@ class SpecEngine:
         self.block_tables_host = [t.tolist() for t in self.block_tables]
 
         hist = c.conv_history
-        self.state = [torch.zeros(self.num_slots[self.group_of[i]], c.HV, c.V, c.K, device=dev)
+        self.state = [torch.zeros(self.num_slots[self.group_of[i]], c.HV, c.V, c.K, device=dev,
+                                  dtype=c.state_torch_dtype)
                       for i in range(c.num_layers)]
         self.conv_state = [torch.zeros(self.num_slots[self.group_of[i]], c.conv_dim, hist + max_window,
                                        device=dev) for i in range(c.num_layers)]

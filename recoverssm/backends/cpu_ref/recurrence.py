@@ -7,7 +7,9 @@ One function, three modes, so that verify and the native per-token paths run the
 * ``snapshot``: the snapshot method; the state after every position goes into its own slot.
 
 Vectorised over rows and heads, a Python loop over window positions. The running state is fp32;
-a bf16 state is rounded only where it is stored. GDN decays a head's state by one scalar per
+with a bf16 pool it is rounded to bf16 after every token (``numerics.as_stored``; the token's
+output comes from the state before that rounding), so a window of n tokens in one call gives the
+bits of n calls of one token, each of which stores its state. GDN decays a head's state by one scalar per
 token, KDA by a K-vector (column ``j`` by ``decay[j]``); everything else is the same code.
 """
 from __future__ import annotations
@@ -20,7 +22,7 @@ from ...core.backend import GateInputs, PendingInputs
 from ...core.indices import is_slot
 from ...core.plan import plan_entry
 from ...core.types import PLAN_FIELDS
-from .numerics import fma, gdn_gates, kda_gates, l2_normalize, precomputed_gates, tree_sum
+from .numerics import as_stored, fma, gdn_gates, kda_gates, l2_normalize, precomputed_gates, tree_sum
 from .replay import RowCommit, decayed, replay_commits
 
 
@@ -85,7 +87,7 @@ def replay_pending(state: torch.Tensor, records: tuple, pending: PendingInputs, 
     finals = replay_commits(state, *records, commits, null_slot)
     for r, prev in replaying:
         pending.plan[0, PLAN_FIELDS.index("replays"), prev] += 1
-    return {r: finals[i].to(state.dtype).float() for i, (r, _) in enumerate(replaying)}
+    return {r: finals[i] for i, (r, _) in enumerate(replaying)}
 
 
 def _pending_first(state, records, pending: Optional[PendingInputs], slots: list, null_slot: int,
@@ -135,8 +137,8 @@ def recurrence(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sta
         tok = [starts[rows[i]] + t for i in live]
         k_t = k_hat[tok]                      # [R, H, K]
         S_live, c_t = delta_step(S[live], k_t[:, head_of], v[tok].float(), beta[tok], decay[tok])
-        S[live] = S_live
         o_t = tree_sum(S_live * q_hat[tok][:, head_of, None, :])
+        S[live] = as_stored(S_live, state.dtype)
         out[tok] = o_t.to(out.dtype)
         if mode == "verify":
             correction, key, decay_rec = records

@@ -1,4 +1,5 @@
-"""The commit's replay, the reference: ``S = fma(c, k^, S * d)`` per accepted token.
+"""The commit's replay, the reference: ``S = fma(c, k^, S * d)`` per accepted token, rounded to
+the pool's dtype after each (as verify rounds its running state).
 
 The commit (``commit.py``), the flush of a deferred step and a verify that replays a pending
 step first (``recurrence.py``) all go through :func:`replay_commits`, so the three are the same
@@ -10,7 +11,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from .numerics import fma
+from .numerics import as_stored, fma
 
 
 class RowCommit(NamedTuple):
@@ -42,7 +43,7 @@ def replay_commits(state: torch.Tensor, correction: torch.Tensor, key: torch.Ten
                    commits: Sequence[RowCommit], null_slot: int) -> torch.Tensor:
     """Replay each commit's first ``n`` records into its source state (every source read before
     any store), store the boundary state after ``boundary_len`` tokens and the final state after
-    ``n``. Returns the final states, fp32 ``[len(commits), HV, V, K]`` (before rounding)."""
+    ``n``. Returns the final states, fp32 ``[len(commits), HV, V, K]`` (rounded as stored)."""
     if not commits:
         return state.new_zeros((0, *state.shape[1:]), dtype=torch.float32)
     H, HV = key.shape[1], correction.shape[1]
@@ -51,7 +52,8 @@ def replay_commits(state: torch.Tensor, correction: torch.Tensor, key: torch.Ten
     for t in range(max(c.n for c in commits)):
         live = [i for i, c in enumerate(commits) if c.n > t]
         rows = [commits[i].record_row for i in live]
-        S[live] = replay_step(S[live], correction[rows, :, t], key[rows][:, head_of, t], decay[rows, :, t])
+        S[live] = as_stored(replay_step(S[live], correction[rows, :, t], key[rows][:, head_of, t], decay[rows, :, t]),
+                            state.dtype)
         for i in live:
             c = commits[i]
             if c.boundary > null_slot and c.boundary_len == t + 1:

@@ -16,7 +16,7 @@ sizes, scalar or vector decay); the launcher groups a context's layers so.
 import triton
 import triton.language as tl
 
-from .numerics import is_slot, to_storage
+from .numerics import as_stored, is_slot, to_storage
 
 # Columns of the per-layer table (int64). Pointers are stored with the backend's encoding.
 LAYER_STATE, LAYER_STATE_SLOT_STRIDE, LAYER_STATE_HEAD_STRIDE, LAYER_STATE_V_STRIDE, \
@@ -167,19 +167,22 @@ def load_record(corr_row, key_row, decay_row, t, valid, offs_v, mask_v, offs_k, 
 
 
 @triton.jit
-def replay_step(S, correction, k_hat, decay, VECTOR_DECAY: tl.constexpr):
-    """``S = fma(c, k^, S * d)`` on a ``[BV, K_PAD]`` tile; ``d`` scales every element (GDN) or
+def replay_step(S, correction, k_hat, decay, VECTOR_DECAY: tl.constexpr, STATE_DTYPE: tl.constexpr,
+                INTERPRETED: tl.constexpr):
+    """``S = fma(c, k^, S * d)`` on a ``[BV, K_PAD]`` tile, rounded to the pool's dtype
+    (``as_stored``, as verify rounds its running state); ``d`` scales every element (GDN) or
     column ``j`` by ``d[j]`` (KDA)."""
     if VECTOR_DECAY:
         decayed = S * decay[None, :]
     else:
         decayed = S * decay
-    return tl.fma(correction[:, None], k_hat[None, :], decayed)
+    return as_stored(tl.fma(correction[:, None], k_hat[None, :], decayed), STATE_DTYPE, INTERPRETED)
 
 
 @triton.jit
 def replay_tokens(S, corr_row, key_row, decay_row, first, last, offs_v, mask_v, offs_k, mask_k,
-                  V: tl.constexpr, K: tl.constexpr, PAIRS: tl.constexpr, VECTOR_DECAY: tl.constexpr):
+                  V: tl.constexpr, K: tl.constexpr, PAIRS: tl.constexpr, VECTOR_DECAY: tl.constexpr,
+                  STATE_DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
     """``S = fma(c_t, k^_t, S * d_t)`` for window positions ``first <= t < last`` (``[BV, K_PAD]`` tile).
 
     A token waits for its replay record (a few hundred bytes) unless the load went out earlier:
@@ -195,16 +198,16 @@ def replay_tokens(S, corr_row, key_row, decay_row, first, last, offs_v, mask_v, 
                                      VECTOR_DECAY)
             c1, k1, d1 = load_record(corr_row, key_row, decay_row, t + 1, t + 1 < last,
                                      offs_v, mask_v, offs_k, mask_k, V, K, VECTOR_DECAY)
-            S = replay_step(S, c0, k0, d0, VECTOR_DECAY)
+            S = replay_step(S, c0, k0, d0, VECTOR_DECAY, STATE_DTYPE, INTERPRETED)
             if t + 1 < last:
-                S = replay_step(S, c1, k1, d1, VECTOR_DECAY)
+                S = replay_step(S, c1, k1, d1, VECTOR_DECAY, STATE_DTYPE, INTERPRETED)
     else:
         correction, k_hat, decay = load_record(corr_row, key_row, decay_row, first, first < last,
                                                offs_v, mask_v, offs_k, mask_k, V, K, VECTOR_DECAY)
         for t in range(first, last):
             next_correction, next_k_hat, next_decay = load_record(
                 corr_row, key_row, decay_row, t + 1, t + 1 < last, offs_v, mask_v, offs_k, mask_k, V, K, VECTOR_DECAY)
-            S = replay_step(S, correction, k_hat, decay, VECTOR_DECAY)
+            S = replay_step(S, correction, k_hat, decay, VECTOR_DECAY, STATE_DTYPE, INTERPRETED)
             correction, k_hat, decay = next_correction, next_k_hat, next_decay
     return S
 
@@ -315,12 +318,12 @@ def commit_state_tile(state, slot_stride, offsets, mask, corr, key, decay,
 
     S = source_tile.to(tl.float32)
     S = replay_tokens(S, corr_row, key_row, decay_row, 0, boundary_len, offs_v, mask_v, offs_k, mask_k, V, K,
-                      REPLAY_PAIRS, VECTOR_DECAY)
+                      REPLAY_PAIRS, VECTOR_DECAY, STATE_DTYPE, INTERPRETED)
     if boundary > null_slot:
         tl.store(state + boundary.to(tl.int64) * slot_stride + offsets, to_storage(S, STATE_DTYPE, INTERPRETED),
                  mask=mask)
     S = replay_tokens(S, corr_row, key_row, decay_row, boundary_len, n, offs_v, mask_v, offs_k, mask_k, V, K,
-                      REPLAY_PAIRS, VECTOR_DECAY)
+                      REPLAY_PAIRS, VECTOR_DECAY, STATE_DTYPE, INTERPRETED)
     tl.store(state + final.to(tl.int64) * slot_stride + offsets, to_storage(S, STATE_DTYPE, INTERPRETED), mask=mask)
 
 

@@ -32,6 +32,17 @@ def to_storage(x, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def as_stored(S, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The running state as a pool of ``DTYPE`` holds it: rounded to ``DTYPE`` (``to_storage``)
+    and widened back, after every token, so that a window run in one call gives the bits of one
+    call per token (each of which stores its state); ``S`` itself for an fp32 pool."""
+    if DTYPE == tl.float32:
+        return S
+    else:
+        return to_storage(S, DTYPE, INTERPRETED).to(tl.float32)
+
+
+@triton.jit
 def to_fp32(x, PTX_WIDEN_BF16: tl.constexpr):
     """Widen a tile of token inputs to fp32 (exact for every input dtype).
 

@@ -44,7 +44,7 @@ entry that is not a slot is skipped, and ``query_start_loc`` is clamped (``numer
 import triton
 import triton.language as tl
 
-from .numerics import is_slot, row_window, to_fp32, to_storage
+from .numerics import as_stored, is_slot, row_window, to_fp32, to_storage
 from .pending import count_replay, verify_rows
 
 MODE_VERIFY = tl.constexpr(0)
@@ -297,9 +297,11 @@ def gate_constants(A_log_ptr, dt_bias_ptr, hv, offs_g, mask_g, K: tl.constexpr, 
 @triton.jit
 def replay_records(S, corr_row, key_row, decay_row, first, last, offs_v, mask_v, offs_k, mask_k, offs_g, mask_g,
                    K: tl.constexpr, V: tl.constexpr, ROW_LANES: tl.constexpr, K_INNER: tl.constexpr,
-                   K_CHUNKS: tl.constexpr, EXACT_K: tl.constexpr, EXACT_V: tl.constexpr, VECTOR_DECAY: tl.constexpr):
-    """``S = fma(c_t, k^_t, S * d_t)`` for window positions ``first <= t < last``: the commit's
-    step, elementwise, so the tile's layout changes no bit."""
+                   K_CHUNKS: tl.constexpr, EXACT_K: tl.constexpr, EXACT_V: tl.constexpr, VECTOR_DECAY: tl.constexpr,
+                   STATE_DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """``S = fma(c_t, k^_t, S * d_t)`` for window positions ``first <= t < last``, rounded to the
+    pool's dtype after each (``as_stored``): the commit's step, elementwise, so the tile's layout
+    changes no bit."""
     for t in range(first, last):
         correction = load_masked(corr_row + t * V + offs_v, mask_v, EXACT_V)
         k_hat = load_masked(key_row + t * K + offs_k, mask_k, EXACT_K)
@@ -307,7 +309,7 @@ def replay_records(S, corr_row, key_row, decay_row, first, last, offs_v, mask_v,
             decay = tile_vector(load_masked(decay_row + t * K + offs_g, mask_g, EXACT_K), ROW_LANES, K_INNER, K_CHUNKS)
         else:
             decay = tl.load(decay_row + t)
-        S = tl.fma(correction[:, :, None, None], k_hat, S * decay)
+        S = as_stored(tl.fma(correction[:, :, None, None], k_hat, S * decay), STATE_DTYPE, INTERPRETED)
     return S
 
 
@@ -331,12 +333,14 @@ def replay_pending(S, corr_ptr, key_ptr, decay_ptr, rec_row, hv, h, max_window, 
     decay_row = decay_ptr + (rec_row * HV + hv) * max_window * DECAY_SIZE
     head = hv * stride_s_h
     S = replay_records(S, corr_row, key_row, decay_row, 0, boundary_len, offs_v, mask_v, offs_k, mask_k, offs_g,
-                       mask_g, K, V, ROW_LANES, K_INNER, K_CHUNKS, EXACT_K, EXACT_V, VECTOR_DECAY)
+                       mask_g, K, V, ROW_LANES, K_INNER, K_CHUNKS, EXACT_K, EXACT_V, VECTOR_DECAY,
+                       state_ptr.dtype.element_ty, INTERPRETED)
     if boundary > null_slot:
         store_masked(state_ptr + boundary.to(tl.int64) * stride_s_slot + head + tile,
                      to_storage(S, state_ptr.dtype.element_ty, INTERPRETED), mask_tile, EXACT)
     S = replay_records(S, corr_row, key_row, decay_row, boundary_len, n, offs_v, mask_v, offs_k, mask_k, offs_g,
-                       mask_g, K, V, ROW_LANES, K_INNER, K_CHUNKS, EXACT_K, EXACT_V, VECTOR_DECAY)
+                       mask_g, K, V, ROW_LANES, K_INNER, K_CHUNKS, EXACT_K, EXACT_V, VECTOR_DECAY,
+                       state_ptr.dtype.element_ty, INTERPRETED)
     stored = to_storage(S, state_ptr.dtype.element_ty, INTERPRETED)
     tl.store(state_ptr + final.to(tl.int64) * stride_s_slot + head + tile, stored,
              mask=tl.where(n > 0, mask_tile, False))
@@ -458,6 +462,9 @@ def recurrence_kernel(
                                                      tile_vector(decay, ROW_LANES, K_INNER, K_CHUNKS))
             else:
                 S, correction, o_t = delta_rule_step(S, k_hat, q_hat, v_t, beta, decay)
+            # a non-fp32 pool's state is rounded after every token, as one call per token would
+            # store it (the output above came from the state before that rounding, as there)
+            S = as_stored(S, state_ptr.dtype.element_ty, INTERPRETED)
 
             tok = (start + t).to(tl.int64)
             store_masked(out_ptr + tok * stride_o_t + hv * stride_o_h + offs_v,
