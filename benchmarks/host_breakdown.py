@@ -135,19 +135,21 @@ def verify_pieces(w, backend: str, out) -> list:
                             query_start_loc=w.query_start_loc, records=rec, out=out, backend=backend, **w.gates())
     op = functools.partial(torch.ops.recoverssm.gdn_verify, w.q, w.k, w.v, w.state, w.state_indices,
                            w.query_start_loc, *records, w.a, w.b, w.A_log, w.dt_bias, None, None, None, True, -1,
-                           out, backend, None)
+                           rec.round_each_token, out, backend, None)
     body = functools.partial(IMPLEMENTATIONS["gdn_verify"], q=w.q, k=w.k, v=w.v, state=w.state,
                              state_indices=w.state_indices, query_start_loc=w.query_start_loc, a=w.a, b=w.b,
                              A_log=w.A_log, dt_bias=w.dt_bias, g=None, beta=None, scale=None, use_qk_l2norm=True,
-                             null_slot=-1, out=out, backend=backend, check=None, correction=rec.correction,
+                             null_slot=-1, round_each_token=rec.round_each_token, out=out, backend=backend,
+                             check=None, correction=rec.correction,
                              key=rec.key, decay=rec.decay)
     checks = functools.partial(check_recurrence, "gdn_verify", "gdn", "verify", w.q, w.k, w.v, w.state,
                                w.state_indices, w.query_start_loc, w.a, w.b, w.A_log, w.dt_bias, None, None, None,
-                               True, -1, out, records, None, None, None)
+                               True, -1, rec.round_each_token, out, records, None, None, None)
     args = checks()
     be = backend_for("gdn_verify", backend, w.state.device)
     run = functools.partial(be.recurrence, "verify", w.q, w.k, w.v, w.state, w.state_indices, w.query_start_loc,
-                            args.gates, args.scale, True, -1, out, records, None)
+                            args.gates, args.scale, True, -1, out, records, None,
+                            round_each_token=rec.round_each_token)
     api()
     api()                 # on a GPU the second call binds its launch; later calls repeat it
     bound = REPEATS.bound_launch("gdn_verify", op.args)
@@ -195,7 +197,8 @@ def commit_pieces(step, ctx, index_sets, backend: str) -> list:
                       conv_states=[x.conv_state for x in layers if x.conv_state is not None],
                       corrections=[x.correction for x in layers], keys=[x.key for x in layers],
                       decays=[x.decay for x in layers], groups=[x.group for x in layers],
-                      conv_widths=[x.conv_width for x in layers], conv_dilations=[x.conv_dilation for x in layers])
+                      conv_widths=[x.conv_width for x in layers], conv_dilations=[x.conv_dilation for x in layers],
+                      round_each_token=[x.round_each_token for x in layers])
     G = ctx.num_groups
     window = ctx.max_window
     num_slots = layers[0].state.shape[0]

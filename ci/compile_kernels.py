@@ -62,23 +62,27 @@ def compile_one(fn, constexprs, pointer_types, options, arch):
 
 def cases(table: LaunchTable, K=128, V=128, H=16, HV=48):
     """Every specialization the cuda backend launches at these head sizes: the recurrence for
-    GDN and KDA, raw and precomputed gates, fp32 and bf16 states, on the large-grid tile and the
-    small-grid one, with and without the pending replay; both conv kernels; the plan; the commit
-    and the flush for both state dtypes and both decays; the defer kernels."""
+    GDN and KDA, raw and precomputed gates, fp32 and bf16 states (bf16 in both rounding modes), on
+    the large-grid tile and the small-grid one, with and without the pending replay; both conv
+    kernels; the plan; the commit and the flush for both state dtypes (and modes) and both decays;
+    the defer kernels."""
     ints = {n: "*i32" for n in ("state_indices_ptr", "qsl_ptr", "snapshot_ptr", "num_accepted_ptr",
                                 "request_indices_ptr", "block_table_ptr", "num_computed_ptr",
                                 "commit_len_ptr", "final_ptr", "boundary_ptr", "boundary_len_ptr",
                                 "pending_rows_ptr", "plan_ptr", "parity_ptr", "flush_rows_ptr", "rows_ptr")}
     floats = {"scale": "fp32", "lower_bound": "fp32"}
-    for state_dtype, state in ((torch.float32, "*fp32"), (torch.bfloat16, "*bf16")):
+    # a bf16 pool with round_each_token (the default) and without (the state rounded only where stored)
+    states = ((torch.float32, "*fp32", True), (torch.bfloat16, "*bf16", True), (torch.bfloat16, "*bf16", False))
+    for state_dtype, state, rounding in states:
         for kind in ("gdn", "kda"):
             for precomputed in (False, True):
                 for (grid, heads_times_rows), replay in itertools.product((("large", None), ("small", 1)),
                                                                           (False, True)):
                     gates = GateInputs(g=1, beta=1, kind=kind) if precomputed else GateInputs(a=1, kind=kind)
                     tile, constexprs, options = recurrence_specialization(
-                        table, state_dtype, H, HV, K, V, K, gates, True, True, heads_times_rows, replay)
-                    yield (f"{kind} recurrence precomputed={precomputed} state={state} {grid} grid"
+                        table, state_dtype, H, HV, K, V, K, gates, True, True, heads_times_rows, replay, rounding)
+                    yield (f"{kind} recurrence precomputed={precomputed} state={state}"
+                           f"{'' if rounding else ' store-rounded'} {grid} grid"
                            f"{' replay' if replay else ''}", recurrence_kernel,
                            constexprs, {**ints, **floats, "state_ptr": state, "q_ptr": "*bf16", "k_ptr": "*bf16",
                                         "v_ptr": "*bf16", "out_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16"},
@@ -93,13 +97,15 @@ def cases(table: LaunchTable, K=128, V=128, H=16, HV=48):
     yield ("conv_decode dilation=3", conv_decode_kernel, dilated, conv_types, table.options(table.conv.warps))
     yield ("plan_commit", plan_commit_kernel, dict(BLOCK=table.plan_block), {**ints, "bt_stride": "i64"},
            table.options(4))
-    for state_dtype, state in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+    for state_dtype, state, rounding in ((torch.float32, "fp32", True), (torch.bfloat16, "bf16", True),
+                                         (torch.bfloat16, "bf16", False)):
         for vector_decay in (False, True):
             _, constexprs, options = commit_specialization(table.commit_for(state_dtype), table, state, "bf16",
                                                            H, HV, K, V, conv_cols=4, aligned=True,
-                                                           vector_decay=vector_decay)
+                                                           vector_decay=vector_decay, round_each_token=rounding)
             for flush in (False, True):
-                yield (f"grouped_commit state={state} vector_decay={vector_decay}{' flush' if flush else ''}",
+                yield (f"grouped_commit state={state}{'' if rounding else ' store-rounded'} "
+                       f"vector_decay={vector_decay}{' flush' if flush else ''}",
                        grouped_commit_kernel, {**constexprs, "FLUSH": flush},
                        {**ints, "layer_table_ptr": "*i64", "group_table_ptr": "*i64"}, options)
     yield ("defer", defer_kernel, dict(BLOCK=table.plan_block), {**ints, "group_table_ptr": "*i64"}, table.options(4))

@@ -10,8 +10,12 @@ counts, GDN and KDA:
   decode calls of both steps' accepted tokens,
 
 bit for bit, on ``cpu_ref`` and the Triton kernels (under the interpreter on the CPU, on the GPU
-where one is present)."""
+where one is present). With ``round_each_token=False`` (records and decode) the state is rounded
+only where it is stored: verify + commit of n == one decode call of the n tokens, and the
+deferred path == the eager one."""
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -53,6 +57,20 @@ def _tokens(window: dict, rows_tokens: list) -> dict:
     picked = {name: window[name][idx] for name in ("q", "k", "v", "a", "b")}
     picked["query_start_loc"] = torch.arange(len(rows_tokens) + 1, dtype=I32, device=idx.device)
     return picked
+
+
+def _decode_call(kind: str, state, window: dict, consts: dict, counts: list, backend: str, **kw):
+    """One decode call over the first ``counts[r]`` tokens of every row."""
+    qsl = window["query_start_loc"].tolist()
+    tokens = [qsl[r] + t for r in range(len(SLOTS)) for t in range(counts[r])]
+    picked = _tokens(window, tokens)
+    picked["query_start_loc"] = torch.tensor([0] + list(itertools.accumulate(counts)), dtype=I32,
+                                             device=state.device)
+    op = rs.gdn_decode if kind == "gdn" else rs.kda_decode
+    return op(picked["q"], picked["k"], picked["v"], state=state,
+              state_indices=torch.tensor(SLOTS, dtype=I32, device=state.device),
+              query_start_loc=picked["query_start_loc"], a=picked["a"], b=picked["b"], **consts, backend=backend,
+              **kw)
 
 
 def _verify(kind: str, state, slots, window: dict, consts: dict, records, backend: str, **pending):
@@ -154,3 +172,58 @@ def test_deferred_steps_equal_one_token_steps(backend, kind):
         ctx.defer(torch.tensor(accepted, dtype=I32, device=dev), slots, window["query_start_loc"])
     ctx.flush(rows)
     assert torch.equal(deferred, stepped)
+
+
+@pytest.mark.parametrize("backend", backends())
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_rounding_only_where_stored(backend, kind):
+    """``round_each_token=False``: verify + commit of n == one decode call of the n tokens (the
+    state fp32 within the call, rounded once at the store), and deferred + flush == eager."""
+    dev = device_of(backend)
+    gen = torch.Generator().manual_seed(3)
+    lens, accepted = [4, 3, 1, 4], [4, 2, 0, 3]
+    consts = _constants(kind, gen, dev)
+    window = _window(kind, lens, gen, dev)
+    pool = (torch.randn(4, HV, V, K, generator=gen) * 0.5).to(torch.bfloat16).to(dev)
+    slots = torch.tensor(SLOTS, dtype=I32, device=dev)
+
+    decoded = pool.clone()
+    _decode_call(kind, decoded, window, consts, accepted, backend, round_each_token=False)
+    stepped = pool.clone()
+    _decode_steps(kind, stepped, window, consts, accepted, backend)
+    assert not torch.equal(decoded, stepped)      # the modes differ on these inputs (the test can tell them apart)
+
+    vector_decay = kind == "kda"
+    records = rs.ReplayRecords.allocate(len(SLOTS), T, H, HV, K, V, device=dev, vector_decay=vector_decay,
+                                        round_each_token=False)
+    committed = pool.clone()
+    _verify(kind, committed, slots, window, consts, records, backend)
+    rs.CommitContext([[rs.LayerCache(committed, records)]], max_batch=len(SLOTS), backend=backend).commit(
+        torch.tensor(accepted, dtype=I32, device=dev), slots, window["query_start_loc"])
+    assert torch.equal(committed, decoded)
+
+    deferred = pool.clone()
+    drecords = rs.ReplayRecords.allocate(len(SLOTS), T, H, HV, K, V, device=dev, vector_decay=vector_decay,
+                                         buffers=2, round_each_token=False)
+    ctx = rs.CommitContext([[rs.LayerCache(deferred, drecords)]], max_batch=len(SLOTS), deferred=True,
+                           backend=backend)
+    rows = torch.arange(len(SLOTS), dtype=I32, device=dev)
+    _verify(kind, deferred, slots, window, consts, drecords, backend, pending=ctx.pending, pending_rows=rows)
+    ctx.defer(torch.tensor(accepted, dtype=I32, device=dev), slots, window["query_start_loc"])
+    _verify(kind, deferred, slots, window, consts, drecords, backend, pending=ctx.pending, pending_rows=rows)
+    ctx.defer(torch.zeros(len(SLOTS), dtype=I32, device=dev), slots, window["query_start_loc"])
+    assert torch.equal(deferred, decoded)
+
+
+def test_the_mode_must_be_a_bool():
+    with pytest.raises(TypeError, match="round_each_token"):
+        rs.ReplayRecords.allocate(2, 2, 1, 1, 4, 4, round_each_token=1)
+    x = torch.zeros(1, 1, 4)
+    with pytest.raises(TypeError, match="gdn_decode: round_each_token must be a bool"):
+        rs.gdn_decode(x, x, x, state=torch.zeros(1, 1, 4, 4), state_indices=torch.zeros(1, dtype=I32),
+                      query_start_loc=torch.tensor([0, 1], dtype=I32), g=torch.zeros(1, 1), beta=torch.zeros(1, 1),
+                      round_each_token="yes")
+    records = rs.ReplayRecords.allocate(2, 2, 1, 1, 4, 4)
+    records.round_each_token = None
+    with pytest.raises(TypeError, match="records.round_each_token"):
+        rs.CommitContext([[rs.LayerCache(torch.zeros(2, 1, 4, 4), records)]], max_batch=2)

@@ -5,8 +5,9 @@ Two kinds of items:
 
 * **against cpu_ref** (``vs cpu_ref``): fp32 outputs, records and states must agree within a
   relative tolerance, ``max |got - ref| / max |ref| <= tol`` (1e-5 for fp32; 1e-2 where a value is
-  stored in bf16, one bf16 ulp being 2**-8), since another device may round ``exp`` or order a sum
-  differently. Conv states (pure copies) and commit plans must be equal.
+  stored in bf16, one bf16 ulp being 2**-8, or computed from a bf16 pool's state, which is rounded
+  after every token), since another device may round ``exp`` or order a sum differently. Conv
+  states (pure copies) and commit plans must be equal.
 * **bit-exact** (``== own ...``): the backend against itself. Its commit must leave exactly the
   states its own per-token ``gdn_decode`` / ``kda_decode`` leaves after the same tokens (the
   library's promise), verify must not write the state, ``conv_decode`` must leave the history

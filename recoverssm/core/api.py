@@ -172,7 +172,7 @@ _RECURRENCE_DOC = """
 
 def _recurrence(kind: str, mode: str, q, k, v, state, state_indices, query_start_loc, records, snapshot_slots,
                 gates: dict, scale, use_qk_l2norm, null_slot, out, backend, check, pending=None,
-                pending_rows=None) -> torch.Tensor:
+                pending_rows=None, round_each_token=True) -> torch.Tensor:
     name = f"{kind}_{'spec_decode_snapshot' if mode == 'snapshot' else mode}"
     scale = _as_float(scale)           # the op receives floats; an int would key its repeats apart
     lower = () if kind == "gdn" else (_as_float(gates.pop("lower_bound")),)
@@ -180,11 +180,13 @@ def _recurrence(kind: str, mode: str, q, k, v, state, state_indices, query_start
     # only matches arguments of the types that call passed its checks with.
     result = _out_like(v, out) if isinstance(v, torch.Tensor) else out
     head = (q, k, v, state, state_indices, query_start_loc)
-    tail = (scale, use_qk_l2norm, null_slot, result)
+    if mode == "verify":
+        rec = _records(name, records)
+        round_each_token = rec.round_each_token       # the records' mode, which the commit replays with
+    tail = (scale, use_qk_l2norm, null_slot, round_each_token, result)
     end = (resolve_name(backend), check)
     gate_args = (gates["a"], gates["b"], gates["A_log"], gates["dt_bias"], gates["g"], gates["beta"])
     if mode == "verify":
-        rec = _records(name, records)
         plan, rows, parity = _pending(name, pending, pending_rows)
         if (rec.buffers == 2) != (plan is not None):
             raise ValueError(f"{name}: records have {rec.buffers} buffer(s); double-buffered records (buffers=2) "
@@ -206,8 +208,10 @@ def _recurrence(kind: str, mode: str, q, k, v, state, state_indices, query_start
     check_int(name, "null_slot", null_slot)
     check_real(name, "scale", scale)
     check_real(name, "lower_bound", lower[0] if lower else None)
-    if not isinstance(use_qk_l2norm, bool):
-        raise TypeError(f"{name}: use_qk_l2norm must be a bool, got {type(use_qk_l2norm).__name__}")
+    for flag, value in (("use_qk_l2norm", use_qk_l2norm), ("round_each_token", round_each_token)):
+        if not isinstance(value, bool):
+            where = "records.round_each_token" if flag == "round_each_token" and mode == "verify" else flag
+            raise TypeError(f"{name}: {where} must be a bool, got {type(value).__name__}")
     if result is None:
         result = _out_like(v, out)       # v is not a tensor: this raises as before the checks above
     op(name)(*args)
@@ -247,13 +251,15 @@ def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, state: torc
                A_log: Optional[torch.Tensor] = None, dt_bias: Optional[torch.Tensor] = None,
                g: Optional[torch.Tensor] = None, beta: Optional[torch.Tensor] = None,
                scale: Optional[float] = None, use_qk_l2norm: bool = True, null_slot: int = -1,
-               out: Optional[torch.Tensor] = None, backend: BackendArg = None,
+               out: Optional[torch.Tensor] = None, round_each_token: bool = True,
+               backend: BackendArg = None,
                check: Optional[bool] = None) -> torch.Tensor:
     """The native per-token path: run each row's tokens and store its final state back into
     its slot (a bf16 state rounded once, at that store). No two rows may write one slot."""
     return _recurrence("gdn", "decode", q, k, v, state, state_indices, query_start_loc, None, None,
                        dict(a=a, b=b, A_log=A_log, dt_bias=dt_bias, g=g, beta=beta), scale, use_qk_l2norm,
-                       null_slot, out, backend, check)
+                       null_slot, out, backend, check,
+                       round_each_token=round_each_token)
 
 
 def gdn_spec_decode_snapshot(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -265,6 +271,7 @@ def gdn_spec_decode_snapshot(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              g: Optional[torch.Tensor] = None, beta: Optional[torch.Tensor] = None,
                              scale: Optional[float] = None, use_qk_l2norm: bool = True,
                              null_slot: int = -1, out: Optional[torch.Tensor] = None,
+                             round_each_token: bool = True,
                              backend: BackendArg = None,
                              check: Optional[bool] = None) -> torch.Tensor:
     """The snapshot method (engines' usual speculative path, the baseline): verify from
@@ -276,7 +283,8 @@ def gdn_spec_decode_snapshot(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     """
     return _recurrence("gdn", "snapshot", q, k, v, state, state_indices, query_start_loc, None, snapshot_slots,
                        dict(a=a, b=b, A_log=A_log, dt_bias=dt_bias, g=g, beta=beta), scale, use_qk_l2norm,
-                       null_slot, out, backend, check)
+                       null_slot, out, backend, check,
+                       round_each_token=round_each_token)
 
 
 def kda_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, state: torch.Tensor,
@@ -304,11 +312,13 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, state: torc
                g: Optional[torch.Tensor] = None, beta: Optional[torch.Tensor] = None,
                lower_bound: Optional[float] = None, scale: Optional[float] = None,
                use_qk_l2norm: bool = True, null_slot: int = -1, out: Optional[torch.Tensor] = None,
+               round_each_token: bool = True,
                backend: BackendArg = None, check: Optional[bool] = None) -> torch.Tensor:
     """KDA's native per-token path (:func:`gdn_decode` with a decay per K channel)."""
     return _recurrence("kda", "decode", q, k, v, state, state_indices, query_start_loc, None, None,
                        dict(a=a, b=b, A_log=A_log, dt_bias=dt_bias, g=g, beta=beta, lower_bound=lower_bound),
-                       scale, use_qk_l2norm, null_slot, out, backend, check)
+                       scale, use_qk_l2norm, null_slot, out, backend, check,
+                       round_each_token=round_each_token)
 
 
 def kda_spec_decode_snapshot(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -320,12 +330,14 @@ def kda_spec_decode_snapshot(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              g: Optional[torch.Tensor] = None, beta: Optional[torch.Tensor] = None,
                              lower_bound: Optional[float] = None, scale: Optional[float] = None,
                              use_qk_l2norm: bool = True, null_slot: int = -1,
-                             out: Optional[torch.Tensor] = None, backend: BackendArg = None,
+                             out: Optional[torch.Tensor] = None, round_each_token: bool = True,
+                             backend: BackendArg = None,
                              check: Optional[bool] = None) -> torch.Tensor:
     """KDA's snapshot method (:func:`gdn_spec_decode_snapshot` with a decay per K channel)."""
     return _recurrence("kda", "snapshot", q, k, v, state, state_indices, query_start_loc, None, snapshot_slots,
                        dict(a=a, b=b, A_log=A_log, dt_bias=dt_bias, g=g, beta=beta, lower_bound=lower_bound),
-                       scale, use_qk_l2norm, null_slot, out, backend, check)
+                       scale, use_qk_l2norm, null_slot, out, backend, check,
+                       round_each_token=round_each_token)
 
 
 for _f in (gdn_verify, gdn_decode, gdn_spec_decode_snapshot):

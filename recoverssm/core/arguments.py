@@ -243,14 +243,17 @@ def _check_gates(c: Checker, kind: str, T: int, HV: int, K: int, a, b, A_log, dt
 
 
 def check_recurrence(op: str, kind: str, mode: str, q, k, v, state, state_indices, query_start_loc,
-                     a, b, A_log, dt_bias, g, beta, scale, use_qk_l2norm, null_slot: int, out,
+                     a, b, A_log, dt_bias, g, beta, scale, use_qk_l2norm, null_slot: int, round_each_token, out,
                      records: Optional[tuple], snapshot_slots, lower_bound,
                      check: Optional[bool], static: bool = False, pending: Optional[tuple] = None) -> RecurrenceArgs:
     """Every check of ``{gdn,kda}_{verify,decode,spec_decode_snapshot}``. ``records``:
     ``(correction, key, decay)`` in verify, else ``None``; ``snapshot_slots`` in snapshot mode;
     ``pending``: a verify's ``(plan, rows, parity)`` (its records are then double-buffered)."""
     c = Checker(op, q.device if isinstance(q, torch.Tensor) else torch.device("cpu"), static)
-    key = None if static else _PASSED.key(op, (scale, use_qk_l2norm, null_slot, lower_bound, q, k, v, state,
+    if not isinstance(round_each_token, bool):
+        c.fail("round_each_token", f"must be a bool, got {type(round_each_token).__name__}", TypeError)
+    key = None if static else _PASSED.key(op, (scale, use_qk_l2norm, null_slot, round_each_token, lower_bound,
+                                               q, k, v, state,
                                                state_indices, query_start_loc, a, b, A_log, dt_bias, g, beta, out,
                                                snapshot_slots, *(records or ()), *(pending or ())))
     if key is not None and key in _PASSED:
@@ -546,6 +549,7 @@ class LayerTensors(NamedTuple):
     group: int
     record_buffers: int = 1  # 2: double-buffered records (a context that defers its commits)
     conv_dilation: int = 1   # the conv's taps are this many tokens apart
+    round_each_token: bool = True   # the records' rounding mode (ReplayRecords.round_each_token)
 
 
 def check_layers(c: Checker, layers: Sequence[LayerTensors], max_batch: int, capabilities: frozenset,
@@ -587,6 +591,8 @@ def _check_layer(c: Checker, where: str, layer: LayerTensors, max_batch: int, ca
         c.fail(f"{where}.state", f"is bf16, which backend {backend_name!r} cannot commit")
     if rec.max_batch < max_batch:
         c.fail(f"{where}.records", f"have room for {rec.max_batch} rows, max_batch is {max_batch}")
+    if not isinstance(layer.round_each_token, bool):
+        c.fail(f"{where}.records.round_each_token", f"must be a bool, got {layer.round_each_token!r}", TypeError)
     if layer.conv_state is None:
         if layer.conv_width:
             c.fail(f"{where}.conv_width", "is given without a conv_state")

@@ -112,13 +112,15 @@ class Backend(ABC):
                    use_qk_l2norm: bool, null_slot: int, out: torch.Tensor,
                    records: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
                    snapshot_slots: Optional[torch.Tensor], *, pending: "Optional[PendingInputs]" = None,
-                   bind: bool = False) -> Optional[Launch]:
+                   round_each_token: bool = True, bind: bool = False) -> Optional[Launch]:
         """The GDN or KDA recurrence (``gates.kind``) over each row's window, in one of three modes:
 
         ``"verify"``: read the checkpoint, write ``out`` and ``records``; never write ``state``
         (but where a row replays its ``pending`` step first: its final and boundary slots).
         ``"decode"``: write ``out`` and the final state back into the row's slot.
         ``"snapshot"``: write ``out`` and the state after every position into ``snapshot_slots``.
+        ``round_each_token``: round the running state to ``state``'s dtype after every token (the
+        output of a token taken before), in the pending replay too; else only where it is stored.
         """
 
     @abstractmethod
@@ -189,12 +191,15 @@ class CommitLayer:
     """One layer as a committer sees it: its tensors and the KV-cache group it belongs to.
     ``conv_history``: the conv state's history columns (conv width - 1), 0 without a conv state.
     ``record_buffers``: 2 where the records are double-buffered (a context that defers its
-    commits: buffer ``b`` is rows ``[b * max_batch, (b + 1) * max_batch)``), else 1."""
+    commits: buffer ``b`` is rows ``[b * max_batch, (b + 1) * max_batch)``), else 1.
+    ``round_each_token``: the replay rounds the state to the pool's dtype after every token
+    (``ReplayRecords.round_each_token``), else only where it is stored."""
 
-    __slots__ = ("group", "state", "correction", "key", "decay", "conv_state", "conv_history", "record_buffers")
+    __slots__ = ("group", "state", "correction", "key", "decay", "conv_state", "conv_history", "record_buffers",
+                 "round_each_token")
 
     def __init__(self, group: int, state, correction, key, decay, conv_state, conv_history: int,
-                 record_buffers: int = 1):
+                 record_buffers: int = 1, round_each_token: bool = True):
         self.group = group
         self.state = state
         self.correction = correction
@@ -203,6 +208,7 @@ class CommitLayer:
         self.conv_state = conv_state
         self.conv_history = conv_history
         self.record_buffers = record_buffers
+        self.round_each_token = round_each_token
 
     @property
     def vector_decay(self) -> bool:

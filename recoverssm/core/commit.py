@@ -133,7 +133,8 @@ class CommitContext:
         self._layer_args = ([layer.state for layer in layers], [layer.conv_state for layer in conv],
                             [layer.correction for layer in layers], [layer.key for layer in layers],
                             [layer.decay for layer in layers], [layer.group for layer in layers],
-                            [layer.conv_width for layer in layers], [layer.conv_dilation for layer in layers])
+                            [layer.conv_width for layer in layers], [layer.conv_dilation for layer in layers],
+                            [layer.round_each_token for layer in layers])
         #: What a commit writes: every state and conv state (their version counters move), and
         #: whether one of them is an inference tensor (written only inside inference mode).
         self._written = self._layer_args[0] + self._layer_args[1]
@@ -287,7 +288,9 @@ def _layer_tensors(name: str, where: str, group: int, layer, deferred: bool) -> 
                          "(deferred=True) takes double-buffered records (ReplayRecords.allocate(..., buffers=2)), "
                          "one that commits eagerly single ones")
     width = layer.conv_width if layer.conv_width is not None else 0
+    if not isinstance(rec.round_each_token, bool):
+        raise TypeError(f"{name}: {where}.records.round_each_token must be a bool, got {rec.round_each_token!r}")
     return LayerTensors(layer.state, rec.correction, rec.key, rec.decay, layer.conv_state, width, group, rec.buffers,
-                        layer.conv_dilation)
+                        layer.conv_dilation, rec.round_each_token)
 
 

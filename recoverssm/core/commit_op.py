@@ -41,10 +41,11 @@ def commit_layer(layer: LayerTensors) -> CommitLayer:
     """A checked layer as a backend's committer takes it."""
     history = conv_history(layer.conv_width, layer.conv_dilation) if layer.conv_state is not None else 0
     return CommitLayer(layer.group, layer.state, layer.correction, layer.key, layer.decay, layer.conv_state,
-                       history, layer.record_buffers)
+                       history, layer.record_buffers, layer.round_each_token)
 
 
-def run_commit_op(states, conv_states, corrections, keys, decays, groups, conv_widths, conv_dilations, num_accepted,
+def run_commit_op(states, conv_states, corrections, keys, decays, groups, conv_widths, conv_dilations,
+                  round_each_token, num_accepted,
                   query_start_loc, state_indices, request_indices, block_tables, num_computed_tokens,
                   block_sizes, null_slot, max_batch, context, backend, check, static: bool = False,
                   bind: bool = False) -> Optional[Launch]:
@@ -61,8 +62,8 @@ def run_commit_op(states, conv_states, corrections, keys, decays, groups, conv_w
         committer, layers, device = ctx.committer, ctx.layers, ctx.device
     else:
         committer, layers, device = _committer_for(states, conv_states, corrections, keys, decays, groups,
-                                                   conv_widths, conv_dilations, max_batch, null_slot, backend,
-                                                   static)
+                                                   conv_widths, conv_dilations, round_each_token, max_batch,
+                                                   null_slot, backend, static)
     c = Checker(name, device, static)
     steps = _check_step(c, layers, num_accepted, query_start_loc, state_indices, request_indices,
                         block_tables, num_computed_tokens, block_sizes, null_slot, max_batch, check)
@@ -97,10 +98,9 @@ def run_defer_op(plan, parity, num_accepted, query_start_loc, state_indices, req
                                bind=bind and plan is ctx.pending.plan and parity is ctx.pending.parity)
 
 
-def run_flush_op(states, conv_states, corrections, keys, decays, groups, conv_widths, conv_dilations, plan, parity,
-                 rows,
-                 null_slot, max_batch, context, backend, check, static: bool = False,
-                 bind: bool = False) -> Optional[Launch]:
+def run_flush_op(states, conv_states, corrections, keys, decays, groups, conv_widths, conv_dilations,
+                 round_each_token, plan, parity, rows, null_slot, max_batch, context, backend, check,
+                 static: bool = False, bind: bool = False) -> Optional[Launch]:
     """Commit the pending step of the deferred rows ``rows`` now (``CommitContext.flush``), with
     the context's committer when these are its very tensors (else one built for this call)."""
     name = "CommitContext.flush"
@@ -111,8 +111,8 @@ def run_flush_op(states, conv_states, corrections, keys, decays, groups, conv_wi
         committer, layers, device = ctx.committer, ctx.layers, ctx.device
     else:
         committer, layers, device = _committer_for(states, conv_states, corrections, keys, decays, groups,
-                                                   conv_widths, conv_dilations, max_batch, null_slot, backend,
-                                                   static, buffers=2)
+                                                   conv_widths, conv_dilations, round_each_token, max_batch,
+                                                   null_slot, backend, static, buffers=2)
     c = Checker(name, device, static)
     G = max(layer.group for layer in layers) + 1
     c.tensor("pending.plan", plan, dims=3, dtypes=(torch.int32,), contiguous=True)
@@ -200,8 +200,8 @@ def _check_step(c: Checker, layers, num_accepted, query_start_loc, state_indices
     return steps
 
 
-def _committer_for(states, conv_states, corrections, keys, decays, groups, conv_widths, conv_dilations, max_batch,
-                   null_slot, backend, static: bool = False, buffers: int = 1):
+def _committer_for(states, conv_states, corrections, keys, decays, groups, conv_widths, conv_dilations,
+                   round_each_token, max_batch, null_slot, backend, static: bool = False, buffers: int = 1):
     """Check layers given as the op's lists and build a committer for them (for one call: it is
     not kept, since it would keep the tensors alive)."""
     name = "CommitContext.commit"
@@ -209,7 +209,8 @@ def _committer_for(states, conv_states, corrections, keys, decays, groups, conv_
         raise ValueError(f"{name}: states is empty: a commit needs at least one layer")
     n = len(states)
     for what, values in (("corrections", corrections), ("keys", keys), ("decays", decays), ("groups", groups),
-                         ("conv_widths", conv_widths), ("conv_dilations", conv_dilations)):
+                         ("conv_widths", conv_widths), ("conv_dilations", conv_dilations),
+                         ("round_each_token", round_each_token)):
         if len(values) != n:
             raise ValueError(f"{name}: {what} has {len(values)} entries for {n} layers")
     if sum(1 for w in conv_widths if w) != len(conv_states):
@@ -217,7 +218,8 @@ def _committer_for(states, conv_states, corrections, keys, decays, groups, conv_
                          f"conv_states has {len(conv_states)}")
     conv = iter(conv_states)
     layers = [LayerTensors(states[i], corrections[i], keys[i], decays[i], next(conv) if conv_widths[i] else None,
-                           conv_widths[i], groups[i], buffers, conv_dilations[i]) for i in range(n)]
+                           conv_widths[i], groups[i], buffers, conv_dilations[i], round_each_token[i])
+              for i in range(n)]
     device = states[0].device
     c = Checker(name, device, static)
     if static:

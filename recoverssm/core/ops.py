@@ -58,7 +58,8 @@ SCHEMAS = {
                    "Tensor? block_table, Tensor? num_computed_tokens, int? block_size, int null_slot, "
                    f"int? num_slots, {_TAIL}) -> (Tensor, Tensor, Tensor, Tensor)",
     "commit": "(Tensor(a!)[] states, Tensor(b!)[] conv_states, Tensor[] corrections, Tensor[] keys, "
-              "Tensor[] decays, int[] groups, int[] conv_widths, int[] conv_dilations, Tensor num_accepted, "
+              "Tensor[] decays, int[] groups, int[] conv_widths, int[] conv_dilations, bool[] round_each_token, "
+              "Tensor num_accepted, "
               "Tensor query_start_loc, "
               "Tensor[] state_indices, Tensor?[] request_indices, Tensor?[] block_tables, "
               "Tensor?[] num_computed_tokens, int[] block_sizes, int null_slot, int max_batch, int context, "
@@ -68,7 +69,8 @@ SCHEMAS = {
              "Tensor?[] num_computed_tokens, int[] block_sizes, int null_slot, int max_batch, int context, "
              f"{_TAIL}) -> ()",
     "flush": "(Tensor(a!)[] states, Tensor(b!)[] conv_states, Tensor[] corrections, Tensor[] keys, "
-             "Tensor[] decays, int[] groups, int[] conv_widths, int[] conv_dilations, Tensor(c!) plan, "
+             "Tensor[] decays, int[] groups, int[] conv_widths, int[] conv_dilations, bool[] round_each_token, "
+             "Tensor(c!) plan, "
              "Tensor parity, Tensor rows, "
              f"int null_slot, int max_batch, int context, {_TAIL}) -> ()",
 }
@@ -77,19 +79,21 @@ for _kind in ("gdn", "kda"):
     SCHEMAS[f"{_kind}_verify"] = (
         f"({_TOKENS}, Tensor state, Tensor state_indices, Tensor query_start_loc, Tensor(a!) correction, "
         f"Tensor(b!) key, Tensor(c!) decay, {_GATES}{_bound}, float? scale, bool use_qk_l2norm, "
-        f"int null_slot, Tensor(d!) out, {_TAIL}) -> ()")
+        f"int null_slot, bool round_each_token, Tensor(d!) out, {_TAIL}) -> ()")
     # verify after a deferred commit: it writes the state where a row replays its pending step
     SCHEMAS[f"{_kind}_verify_pending"] = (
         f"({_TOKENS}, Tensor(f!) state, Tensor state_indices, Tensor query_start_loc, Tensor(a!) correction, "
         f"Tensor(b!) key, Tensor(c!) decay, {_GATES}{_bound}, float? scale, bool use_qk_l2norm, "
-        f"int null_slot, Tensor(d!) out, Tensor(e!) pending_plan, Tensor? pending_rows, Tensor parity, "
+        f"int null_slot, bool round_each_token, Tensor(d!) out, Tensor(e!) pending_plan, Tensor? pending_rows, "
+        f"Tensor parity, "
         f"{_TAIL}) -> ()")
     SCHEMAS[f"{_kind}_decode"] = (
         f"({_TOKENS}, Tensor(a!) state, Tensor state_indices, Tensor query_start_loc, {_GATES}{_bound}, "
-        f"float? scale, bool use_qk_l2norm, int null_slot, Tensor(b!) out, {_TAIL}) -> ()")
+        f"float? scale, bool use_qk_l2norm, int null_slot, bool round_each_token, Tensor(b!) out, {_TAIL}) -> ()")
     SCHEMAS[f"{_kind}_spec_decode_snapshot"] = (
         f"({_TOKENS}, Tensor(a!) state, Tensor state_indices, Tensor query_start_loc, Tensor snapshot_slots, "
-        f"{_GATES}{_bound}, float? scale, bool use_qk_l2norm, int null_slot, Tensor(b!) out, {_TAIL}) -> ()")
+        f"{_GATES}{_bound}, float? scale, bool use_qk_l2norm, int null_slot, bool round_each_token, "
+        f"Tensor(b!) out, {_TAIL}) -> ()")
 
 #: The capability a backend must declare for each op (``Backend.CAPABILITIES``).
 CAPABILITY = {"conv_verify": "conv_verify", "conv_decode": "conv_decode", "plan_commit": "plan_commit",
@@ -152,14 +156,14 @@ def _recurrence(kind: str, mode: str, op: str):
     """The implementation of ``op``: ``{kind}_{verify,verify_pending,decode,spec_decode_snapshot}``."""
 
     def impl(q, k, v, state, state_indices, query_start_loc, a, b, A_log, dt_bias, g, beta, scale,
-             use_qk_l2norm, null_slot, out, backend, check, correction=None, key=None, decay=None,
+             use_qk_l2norm, null_slot, round_each_token, out, backend, check, correction=None, key=None, decay=None,
              snapshot_slots=None, lower_bound=None, pending_plan=None, pending_rows=None, parity=None,
              static=False, bind=False):
         records = (correction, key, decay) if mode == "verify" else None
         pending = None if pending_plan is None else (pending_plan, pending_rows, parity)
         args = check_recurrence(op, kind, mode, q, k, v, state, state_indices, query_start_loc, a, b, A_log,
-                                dt_bias, g, beta, scale, use_qk_l2norm, null_slot, out, records, snapshot_slots,
-                                lower_bound, check, static, pending)
+                                dt_bias, g, beta, scale, use_qk_l2norm, null_slot, round_each_token, out, records,
+                                snapshot_slots, lower_bound, check, static, pending)
         if static:
             return None
         be = backend_for(op, backend, state.device)
@@ -167,7 +171,8 @@ def _recurrence(kind: str, mode: str, op: str):
             _registry.backend_for(op, kind, backend, state.device)
         return be.recurrence(mode, q, k, v, state, state_indices, query_start_loc, args.gates, args.scale,
                              use_qk_l2norm, null_slot, out, records, snapshot_slots,
-                             pending=None if pending is None else PendingInputs(*pending), bind=bind)
+                             pending=None if pending is None else PendingInputs(*pending),
+                             round_each_token=round_each_token, bind=bind)
 
     return impl
 

@@ -27,12 +27,20 @@ class ReplayRecords:
     ``max_batch`` rows each, buffer ``b`` at rows ``[b * max_batch, (b + 1) * max_batch)``; a
     verify writes one while the other holds the records of the step still pending (the
     context's ``Pending.parity`` says which).
+
+    ``round_each_token`` (the layer's rounding mode, read by its verify and by the commit that
+    replays these records): ``True`` (the default) rounds the running state to the pool's dtype
+    after every token, in verify, in the commit's replay and in the deferred replay, so that a
+    bf16 pool gets the bits of one-token-per-call decoding; ``False`` keeps it fp32 within a call
+    and rounds it only where it is stored (fewer instructions per token; for fp32 pools the two
+    are the same).
     """
 
     correction: torch.Tensor
     key: torch.Tensor
     decay: torch.Tensor
     buffers: int = 1
+    round_each_token: bool = True
 
     @classmethod
     def allocate(
@@ -47,9 +55,11 @@ class ReplayRecords:
         device: torch.device | str | None = None,
         vector_decay: bool = False,
         buffers: int = 1,
+        round_each_token: bool = True,
     ) -> "ReplayRecords":
         """Allocate an fp32 records workspace for up to ``max_batch`` rows of ``max_window`` tokens
-        (``buffers=2``: double-buffered, for a context that defers its commits)."""
+        (``buffers=2``: double-buffered, for a context that defers its commits;
+        ``round_each_token``: the layer's rounding mode, see the class)."""
         for name, val in (("max_batch", max_batch), ("max_window", max_window), ("H", H),
                           ("HV", HV), ("K", K), ("V", V)):
             if not isinstance(val, int) or val < 1:
@@ -58,6 +68,8 @@ class ReplayRecords:
             raise ValueError(f"ReplayRecords.allocate: HV ({HV}) must be a multiple of H ({H})")
         if buffers not in (1, 2):
             raise ValueError(f"ReplayRecords.allocate: buffers must be 1 or 2, got {buffers!r}")
+        if not isinstance(round_each_token, bool):
+            raise TypeError(f"ReplayRecords.allocate: round_each_token must be a bool, got {round_each_token!r}")
         kw = dict(dtype=torch.float32, device=device)
         rows = buffers * max_batch
         decay_shape = (rows, HV, max_window, K) if vector_decay else (rows, HV, max_window)
@@ -66,6 +78,7 @@ class ReplayRecords:
             key=torch.zeros(rows, H, max_window, K, **kw),
             decay=torch.zeros(decay_shape, **kw),
             buffers=buffers,
+            round_each_token=round_each_token,
         )
 
     @property

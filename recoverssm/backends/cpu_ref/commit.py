@@ -31,7 +31,7 @@ def commit_layer(layer: CommitLayer, commits: Sequence[RowCommit], null_slot: in
     """The rows' commits into one layer: the state (``replay.replay_commits``), then the conv
     history of each into its final and boundary slots."""
     commits = [c for c in commits if c.n > 0]
-    replay_commits(layer.state, layer.correction, layer.key, layer.decay, commits, null_slot)
+    replay_commits(layer.state, layer.correction, layer.key, layer.decay, commits, null_slot, layer.round_each_token)
     if layer.conv_state is not None:
         for c in commits:
             conv_compact(layer.conv_state, layer.conv_history, c.source, c.final, c.boundary, c.n, c.boundary_len,

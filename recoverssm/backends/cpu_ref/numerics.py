@@ -47,11 +47,11 @@ def tree_sum(x: torch.Tensor) -> torch.Tensor:
     return x[..., 0]
 
 
-def as_stored(S: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The fp32 running state as a pool of ``dtype`` holds it: rounded to ``dtype`` (to nearest
-    even) and widened back. Every recurrence and replay applies it after every token, so a window
-    run in one call gives the bits of one call per token, each of which stores its state."""
-    return S if dtype == torch.float32 else S.to(dtype).float()
+def as_stored(S: torch.Tensor, dtype: torch.dtype, round_each_token: bool) -> torch.Tensor:
+    """The fp32 running state after a token: with ``round_each_token``, as a pool of ``dtype``
+    holds it (rounded to ``dtype``, to nearest even, and widened back), so that a window run in
+    one call gives the bits of one call per token, each of which stores its state; else ``S``."""
+    return S if dtype == torch.float32 or not round_each_token else S.to(dtype).float()
 
 
 def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:

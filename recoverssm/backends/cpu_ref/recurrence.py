@@ -7,9 +7,10 @@ One function, three modes, so that verify and the native per-token paths run the
 * ``snapshot``: the snapshot method; the state after every position goes into its own slot.
 
 Vectorised over rows and heads, a Python loop over window positions. The running state is fp32;
-with a bf16 pool it is rounded to bf16 after every token (``numerics.as_stored``; the token's
-output comes from the state before that rounding), so a window of n tokens in one call gives the
-bits of n calls of one token, each of which stores its state. GDN decays a head's state by one scalar per
+with ``round_each_token`` (the default) a bf16 pool's is rounded to bf16 after every token
+(``numerics.as_stored``; the token's output comes from the state before that rounding), so a
+window of n tokens in one call gives the bits of n calls of one token, each of which stores its
+state; without it, it is rounded only where it is stored. GDN decays a head's state by one scalar per
 token, KDA by a K-vector (column ``j`` by ``decay[j]``); everything else is the same code.
 """
 from __future__ import annotations
@@ -69,7 +70,7 @@ def _token_inputs(q, k, gates: GateInputs, scale: float, use_qk_l2norm: bool):
 
 
 def replay_pending(state: torch.Tensor, records: tuple, pending: PendingInputs, slots: list, null_slot: int,
-                   max_len: int, read_base: int) -> dict[int, torch.Tensor]:
+                   max_len: int, read_base: int, round_each_token: bool) -> dict[int, torch.Tensor]:
     """Each live row that continues a deferred row (``pending.rows``) first commits it: its
     records (buffer rows from ``read_base``) replayed into this layer, its boundary and final
     states stored (``replay.replay_commits``), one replay counted in the plan. Returns per such
@@ -84,14 +85,14 @@ def replay_pending(state: torch.Tensor, records: tuple, pending: PendingInputs, 
         if n > 0:
             commits.append(RowCommit(read_base + prev, n, source, final, boundary, boundary_len))
             replaying.append((r, prev))
-    finals = replay_commits(state, *records, commits, null_slot)
+    finals = replay_commits(state, *records, commits, null_slot, round_each_token)
     for r, prev in replaying:
         pending.plan[0, PLAN_FIELDS.index("replays"), prev] += 1
     return {r: finals[i] for i, (r, _) in enumerate(replaying)}
 
 
 def _pending_first(state, records, pending: Optional[PendingInputs], slots: list, null_slot: int,
-                   max_len: Optional[int]) -> tuple[int, dict]:
+                   max_len: Optional[int], round_each_token: bool) -> tuple[int, dict]:
     """``(the first records row this call writes, the rows' replayed states)``: with ``pending``
     the records are double-buffered, this call writes buffer ``parity``, and continuing rows
     replay their deferred commit from the other buffer first (:func:`replay_pending`)."""
@@ -102,14 +103,15 @@ def _pending_first(state, records, pending: Optional[PendingInputs], slots: list
     if pending.rows is None:
         return parity * buffer_rows, {}
     return parity * buffer_rows, replay_pending(state, records, pending, slots, null_slot, max_len,
-                                                (1 - parity) * buffer_rows)
+                                                (1 - parity) * buffer_rows, round_each_token)
 
 
 def recurrence(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor,
                state_indices: torch.Tensor, query_start_loc: torch.Tensor, gates: GateInputs,
                scale: float, use_qk_l2norm: bool, null_slot: int, out: torch.Tensor,
                records: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-               snapshot_slots: Optional[torch.Tensor], pending: Optional[PendingInputs] = None) -> None:
+               snapshot_slots: Optional[torch.Tensor], pending: Optional[PendingInputs] = None,
+               round_each_token: bool = True) -> None:
     """See :meth:`recoverssm.core.backend.Backend.recurrence`.
 
     ``q``, ``k``: ``[T_total, H, K]``; ``v``, ``out``: ``[T_total, HV, V]``; ``state``:
@@ -122,7 +124,7 @@ def recurrence(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sta
     starts, spans, lengths = row_bounds(query_start_loc, q.shape[0], max_len)
     num_slots = state.shape[0]
     slots = state_indices.tolist()
-    write_base, replayed = _pending_first(state, records, pending, slots, null_slot, max_len)
+    write_base, replayed = _pending_first(state, records, pending, slots, null_slot, max_len, round_each_token)
     rows = [r for r in range(len(slots)) if is_slot(slots[r], null_slot, num_slots) and lengths[r] > 0]
     for r in range(len(slots)):
         if not is_slot(slots[r], null_slot, num_slots):    # padding: zero output, nothing else
@@ -138,7 +140,7 @@ def recurrence(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sta
         k_t = k_hat[tok]                      # [R, H, K]
         S_live, c_t = delta_step(S[live], k_t[:, head_of], v[tok].float(), beta[tok], decay[tok])
         o_t = tree_sum(S_live * q_hat[tok][:, head_of, None, :])
-        S[live] = as_stored(S_live, state.dtype)
+        S[live] = as_stored(S_live, state.dtype, round_each_token)
         out[tok] = o_t.to(out.dtype)
         if mode == "verify":
             correction, key, decay_rec = records

@@ -1,5 +1,5 @@
-"""The commit's replay, the reference: ``S = fma(c, k^, S * d)`` per accepted token, rounded to
-the pool's dtype after each (as verify rounds its running state).
+"""The commit's replay, the reference: ``S = fma(c, k^, S * d)`` per accepted token (with
+``round_each_token``, rounded to the pool's dtype after each, as verify rounds its running state).
 
 The commit (``commit.py``), the flush of a deferred step and a verify that replays a pending
 step first (``recurrence.py``) all go through :func:`replay_commits`, so the three are the same
@@ -40,10 +40,10 @@ def replay_step(S: torch.Tensor, correction: torch.Tensor, k_hat: torch.Tensor,
 
 
 def replay_commits(state: torch.Tensor, correction: torch.Tensor, key: torch.Tensor, decay: torch.Tensor,
-                   commits: Sequence[RowCommit], null_slot: int) -> torch.Tensor:
+                   commits: Sequence[RowCommit], null_slot: int, round_each_token: bool) -> torch.Tensor:
     """Replay each commit's first ``n`` records into its source state (every source read before
     any store), store the boundary state after ``boundary_len`` tokens and the final state after
-    ``n``. Returns the final states, fp32 ``[len(commits), HV, V, K]`` (rounded as stored)."""
+    ``n``. Returns the final states as the pool holds them, fp32 ``[len(commits), HV, V, K]``."""
     if not commits:
         return state.new_zeros((0, *state.shape[1:]), dtype=torch.float32)
     H, HV = key.shape[1], correction.shape[1]
@@ -53,11 +53,11 @@ def replay_commits(state: torch.Tensor, correction: torch.Tensor, key: torch.Ten
         live = [i for i, c in enumerate(commits) if c.n > t]
         rows = [commits[i].record_row for i in live]
         S[live] = as_stored(replay_step(S[live], correction[rows, :, t], key[rows][:, head_of, t], decay[rows, :, t]),
-                            state.dtype)
+                            state.dtype, round_each_token)
         for i in live:
             c = commits[i]
             if c.boundary > null_slot and c.boundary_len == t + 1:
                 state[c.boundary] = S[i].to(state.dtype)
     for i, c in enumerate(commits):
         state[c.final] = S[i].to(state.dtype)
-    return S
+    return S.to(state.dtype).float()

@@ -83,12 +83,13 @@ class TritonBackend(Backend):
 
     def recurrence(self, mode, q, k, v, state, state_indices, query_start_loc, gates, scale,
                    use_qk_l2norm, null_slot, out, records, snapshot_slots, *, pending=None,
-                   bind=False) -> Optional[Launch]:
+                   round_each_token=True, bind=False) -> Optional[Launch]:
         from . import launch
         with self.device_guard(q.device):
             return self.launch_on(q.device, launch.recurrence(self.table, mode, q, k, v, state, state_indices,
                                                               query_start_loc, gates, scale, use_qk_l2norm,
-                                                              null_slot, out, records, snapshot_slots, bind, pending))
+                                                              null_slot, out, records, snapshot_slots, bind, pending,
+                                                              round_each_token))
 
     def launch_on(self, device: torch.device, bound) -> Optional[Launch]:
         """A bound launch (``DirectLauncher``'s, or ``None``) as a :class:`Launch` that makes

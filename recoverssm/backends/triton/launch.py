@@ -167,8 +167,8 @@ _SPECIALIZATIONS: dict = {}
 
 def recurrence_specialization(table: LaunchTable, state_dtype: torch.dtype, H: int, HV: int, K: int, V: int,
                               state_row_stride: int, gates: GateInputs, use_qk_l2norm: bool, aligned: bool,
-                              heads_times_rows: Optional[int] = None,
-                              replay: bool = False) -> tuple[RecurrenceTile, dict, dict]:
+                              heads_times_rows: Optional[int] = None, replay: bool = False,
+                              round_each_token: bool = True) -> tuple[RecurrenceTile, dict, dict]:
     """The recurrence kernel's ``(tile, constexprs, compile options)`` for one call. Nothing in
     it depends on the mode (verify, decode, snapshot), so the three modes run one binary;
     ``replay`` (a verify that replays a pending step first) compiles the replay in, a binary of
@@ -177,12 +177,12 @@ def recurrence_specialization(table: LaunchTable, state_dtype: torch.dtype, H: i
     (every call asks; the answer is a few dicts)."""
     interpreted = interpreting()
     key = (id(table), state_dtype, H, HV, K, V, state_row_stride, gates.kind, gates.precomputed,
-           gates.lower_bound is None, use_qk_l2norm, aligned, heads_times_rows, interpreted, replay)
+           gates.lower_bound is None, use_qk_l2norm, aligned, heads_times_rows, interpreted, replay, round_each_token)
     hit = _SPECIALIZATIONS.get(key)
     if hit is not None and hit[0] is table:
         return hit[1]
     answer = _specialize_recurrence(table, state_dtype, H, HV, K, V, state_row_stride, gates, use_qk_l2norm, aligned,
-                                    heads_times_rows, interpreted, replay)
+                                    heads_times_rows, interpreted, replay, round_each_token)
     if len(_SPECIALIZATIONS) > 256:
         _SPECIALIZATIONS.clear()
     _SPECIALIZATIONS[key] = (table, answer)
@@ -191,8 +191,8 @@ def recurrence_specialization(table: LaunchTable, state_dtype: torch.dtype, H: i
 
 def _specialize_recurrence(table: LaunchTable, state_dtype: torch.dtype, H: int, HV: int, K: int, V: int,
                            state_row_stride: int, gates: GateInputs, use_qk_l2norm: bool, aligned: bool,
-                           heads_times_rows: Optional[int], interpreted: bool,
-                           replay: bool) -> tuple[RecurrenceTile, dict, dict]:
+                           heads_times_rows: Optional[int], interpreted: bool, replay: bool,
+                           round_each_token: bool) -> tuple[RecurrenceTile, dict, dict]:
     spec = table.recurrence_for(state_dtype)
     tile = recurrence_tile(spec, K, V, heads_times_rows)
     constexprs = dict(
@@ -201,21 +201,23 @@ def _specialize_recurrence(table: LaunchTable, state_dtype: torch.dtype, H: int,
         ALIGNED=aligned, PTX_WIDEN_BF16=spec.ptx_widen_bf16 and not interpreted,   # PTX: never interpreted
         L2_HINTS=spec.l2_hints, VECTOR_DECAY=gates.vector_decay,
         LOWER_BOUND=gates.lower_bound is not None and not gates.precomputed, INTERPRETED=interpreted,
-        REPLAY=replay)
+        REPLAY=replay, ROUND_EACH_TOKEN=round_each_token)
     return tile, constexprs, table.options(spec.warps, tile.max_registers)
 
 
 def recurrence(table: LaunchTable, mode: str, q, k, v, state, state_indices, query_start_loc,
                gates: GateInputs, scale: float, use_qk_l2norm: bool, null_slot: int, out,
-               records, snapshot_slots, bind: bool = False, pending: Optional[PendingInputs] = None) -> Optional[Bound]:
+               records, snapshot_slots, bind: bool = False, pending: Optional[PendingInputs] = None,
+               round_each_token: bool = True) -> Optional[Bound]:
     """Launch the recurrence; with ``bind``, return the launch bound to the caller's tensors'
     addresses (``None`` where it launched on packed copies of misaligned tensors, or did not
     launch). ``pending``: a verify that replays a deferred step first (its records are then
-    double-buffered)."""
+    double-buffered). ``round_each_token``: the running state rounded to the pool's dtype after
+    every token."""
     packed = _aligned_token_inputs(q, k, v, out)
     launch = _launch_recurrence(table, mode, *packed[:3], state, state_indices, query_start_loc, gates, scale,
                                 use_qk_l2norm, null_slot, packed[3], records, snapshot_slots, packed[4], bind,
-                                pending)
+                                pending, round_each_token)
     if packed[3] is not out:
         out.copy_(packed[3])
     return launch if all(x is y for x, y in zip(packed, (q, k, v, out))) else None
@@ -224,7 +226,7 @@ def recurrence(table: LaunchTable, mode: str, q, k, v, state, state_indices, que
 def _launch_recurrence(table: LaunchTable, mode: str, q, k, v, state, state_indices, query_start_loc,
                        gates: GateInputs, scale: float, use_qk_l2norm: bool, null_slot: int, out,
                        records, snapshot_slots, aligned: bool, bind: bool = False,
-                       pending: Optional[PendingInputs] = None) -> Optional[Bound]:
+                       pending: Optional[PendingInputs] = None, round_each_token: bool = True) -> Optional[Bound]:
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     B = state_indices.shape[0]
@@ -232,7 +234,7 @@ def _launch_recurrence(table: LaunchTable, mode: str, q, k, v, state, state_indi
     if B == 0 or (T == 0 and not replay):
         return None
     tile, constexprs, options = recurrence_specialization(table, state.dtype, H, HV, K, V, state.stride(2), gates,
-                                                          use_qk_l2norm, aligned, HV * B, replay)
+                                                          use_qk_l2norm, aligned, HV * B, replay, round_each_token)
     plan_rows = record_rows = 0
     plan = parity = rows = state_indices                # unused without a pending step
     if mode == "verify":
@@ -300,7 +302,7 @@ def _vector_aligned(layer: CommitLayer) -> bool:
 def _specialization_key(layer: CommitLayer) -> tuple:
     """What one commit launch's specialization depends on: layers that agree share a launch."""
     return (layer.state.dtype, layer.key.shape[1], layer.correction.shape[1], layer.key.shape[3],
-            layer.correction.shape[3], layer.vector_decay)
+            layer.correction.shape[3], layer.vector_decay, layer.round_each_token)
 
 
 class _Launch:
@@ -313,6 +315,7 @@ class _Launch:
         self.H, self.HV = first.key.shape[1], first.correction.shape[1]
         self.K, self.V = first.key.shape[3], first.correction.shape[3]
         self.vector_decay = first.vector_decay
+        self.round_each_token = first.round_each_token
         conv_layers = [layer for layer in layers if layer.conv_state is not None]
         conv_dtypes = {layer.conv_state.dtype for layer in conv_layers}
         if len(conv_dtypes) > 1:
@@ -339,13 +342,14 @@ class _Launch:
         table = committer.table
         tile_items, self.constexprs, self.options = commit_specialization(
             table.commit_for(first.state.dtype), table, self.state_dtype, self.conv_dtype, self.H, self.HV, self.K,
-            self.V, self.conv_cols, self.aligned, self.vector_decay)
+            self.V, self.conv_cols, self.aligned, self.vector_decay, self.round_each_token)
         self.items = tile_items + triton.cdiv(self.max_conv_dim, table.conv.block)
 
 
 class TritonCommitter(Committer):
     """Grouped commit through device pointer tables: one launch per specialization (state dtype,
-    head sizes, scalar or vector decay; one launch for a model whose layers all agree).
+    head sizes, scalar or vector decay, rounding mode; one launch for a model whose layers all
+    agree).
 
     The per-layer tables (pointers and strides of state, records and conv state) are built and
     uploaded once, here. The per-group table points at the step's index tensors; it is cached by
@@ -491,7 +495,7 @@ class _BoundStep:
 
 def commit_specialization(spec: CommitSpec, table: LaunchTable, state_dtype: str, conv_dtype: str, H: int, HV: int,
                           K: int, V: int, conv_cols: int, aligned: bool,
-                          vector_decay: bool = False) -> tuple[int, dict, dict]:
+                          vector_decay: bool = False, round_each_token: bool = True) -> tuple[int, dict, dict]:
     """The grouped commit kernel's specialization for one launch: ``(work items of state tiles
     per row and layer, constexprs, compile options)``."""
     block_v = min(spec.block_v, _pow2(V))
@@ -504,7 +508,8 @@ def commit_specialization(spec: CommitSpec, table: LaunchTable, state_dtype: str
                       # The hints are PTX, which Triton's interpreter cannot run.
                       PREFETCH_RECORDS=spec.prefetch_records and not interpreted,
                       PREFETCH_NEXT_TILE=spec.prefetch_next_tile and tiles_per_program > 1 and not interpreted,
-                      REPLAY_PAIRS=spec.replay_pairs, VECTOR_DECAY=vector_decay, FLUSH=False, INTERPRETED=interpreted)
+                      REPLAY_PAIRS=spec.replay_pairs, VECTOR_DECAY=vector_decay, FLUSH=False, INTERPRETED=interpreted,
+                      ROUND_EACH_TOKEN=round_each_token)
     return triton.cdiv(tiles, tiles_per_program), constexprs, table.options(spec.warps, spec.max_registers)
 
 

@@ -32,11 +32,12 @@ def to_storage(x, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def as_stored(S, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
-    """The running state as a pool of ``DTYPE`` holds it: rounded to ``DTYPE`` (``to_storage``)
-    and widened back, after every token, so that a window run in one call gives the bits of one
-    call per token (each of which stores its state); ``S`` itself for an fp32 pool."""
-    if DTYPE == tl.float32:
+def as_stored(S, DTYPE: tl.constexpr, ROUND_EACH_TOKEN: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The running state after a token: with ``ROUND_EACH_TOKEN``, as a pool of ``DTYPE`` holds
+    it (rounded to ``DTYPE`` with ``to_storage`` and widened back), so that a window run in one
+    call gives the bits of one call per token, each of which stores its state; else (and for an
+    fp32 pool) ``S`` itself."""
+    if (DTYPE == tl.float32) or (not ROUND_EACH_TOKEN):
         return S
     else:
         return to_storage(S, DTYPE, INTERPRETED).to(tl.float32)

@@ -298,10 +298,10 @@ def gate_constants(A_log_ptr, dt_bias_ptr, hv, offs_g, mask_g, K: tl.constexpr, 
 def replay_records(S, corr_row, key_row, decay_row, first, last, offs_v, mask_v, offs_k, mask_k, offs_g, mask_g,
                    K: tl.constexpr, V: tl.constexpr, ROW_LANES: tl.constexpr, K_INNER: tl.constexpr,
                    K_CHUNKS: tl.constexpr, EXACT_K: tl.constexpr, EXACT_V: tl.constexpr, VECTOR_DECAY: tl.constexpr,
-                   STATE_DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
-    """``S = fma(c_t, k^_t, S * d_t)`` for window positions ``first <= t < last``, rounded to the
-    pool's dtype after each (``as_stored``): the commit's step, elementwise, so the tile's layout
-    changes no bit."""
+                   STATE_DTYPE: tl.constexpr, ROUND_EACH_TOKEN: tl.constexpr, INTERPRETED: tl.constexpr):
+    """``S = fma(c_t, k^_t, S * d_t)`` for window positions ``first <= t < last`` (with
+    ``ROUND_EACH_TOKEN``, rounded to the pool's dtype after each, ``as_stored``): the commit's
+    step, elementwise, so the tile's layout changes no bit."""
     for t in range(first, last):
         correction = load_masked(corr_row + t * V + offs_v, mask_v, EXACT_V)
         k_hat = load_masked(key_row + t * K + offs_k, mask_k, EXACT_K)
@@ -309,7 +309,8 @@ def replay_records(S, corr_row, key_row, decay_row, first, last, offs_v, mask_v,
             decay = tile_vector(load_masked(decay_row + t * K + offs_g, mask_g, EXACT_K), ROW_LANES, K_INNER, K_CHUNKS)
         else:
             decay = tl.load(decay_row + t)
-        S = as_stored(tl.fma(correction[:, :, None, None], k_hat, S * decay), STATE_DTYPE, INTERPRETED)
+        S = as_stored(tl.fma(correction[:, :, None, None], k_hat, S * decay), STATE_DTYPE, ROUND_EACH_TOKEN,
+                      INTERPRETED)
     return S
 
 
@@ -319,7 +320,7 @@ def replay_pending(S, corr_ptr, key_ptr, decay_ptr, rec_row, hv, h, max_window, 
                    mask_g, null_slot, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                    ROW_LANES: tl.constexpr, K_INNER: tl.constexpr, K_CHUNKS: tl.constexpr, EXACT: tl.constexpr,
                    EXACT_K: tl.constexpr, EXACT_V: tl.constexpr, VECTOR_DECAY: tl.constexpr,
-                   INTERPRETED: tl.constexpr):
+                   ROUND_EACH_TOKEN: tl.constexpr, INTERPRETED: tl.constexpr):
     """What the commit of a deferred row does to this program's tile, in registers: replay its
     ``n`` records (records row ``rec_row``), store the boundary state after ``boundary_len``
     tokens and the final state after ``n``; returns the final state as the next verify reads it
@@ -334,13 +335,13 @@ def replay_pending(S, corr_ptr, key_ptr, decay_ptr, rec_row, hv, h, max_window, 
     head = hv * stride_s_h
     S = replay_records(S, corr_row, key_row, decay_row, 0, boundary_len, offs_v, mask_v, offs_k, mask_k, offs_g,
                        mask_g, K, V, ROW_LANES, K_INNER, K_CHUNKS, EXACT_K, EXACT_V, VECTOR_DECAY,
-                       state_ptr.dtype.element_ty, INTERPRETED)
+                       state_ptr.dtype.element_ty, ROUND_EACH_TOKEN, INTERPRETED)
     if boundary > null_slot:
         store_masked(state_ptr + boundary.to(tl.int64) * stride_s_slot + head + tile,
                      to_storage(S, state_ptr.dtype.element_ty, INTERPRETED), mask_tile, EXACT)
     S = replay_records(S, corr_row, key_row, decay_row, boundary_len, n, offs_v, mask_v, offs_k, mask_k, offs_g,
                        mask_g, K, V, ROW_LANES, K_INNER, K_CHUNKS, EXACT_K, EXACT_V, VECTOR_DECAY,
-                       state_ptr.dtype.element_ty, INTERPRETED)
+                       state_ptr.dtype.element_ty, ROUND_EACH_TOKEN, INTERPRETED)
     stored = to_storage(S, state_ptr.dtype.element_ty, INTERPRETED)
     tl.store(state_ptr + final.to(tl.int64) * stride_s_slot + head + tile, stored,
              mask=tl.where(n > 0, mask_tile, False))
@@ -379,7 +380,7 @@ def recurrence_kernel(
     K_PAD: tl.constexpr, K_INNER: tl.constexpr, ROWS: tl.constexpr, ROW_LANES: tl.constexpr,
     GATES_PRECOMPUTED: tl.constexpr, USE_L2NORM: tl.constexpr, ALIGNED: tl.constexpr,
     PTX_WIDEN_BF16: tl.constexpr, L2_HINTS: tl.constexpr, VECTOR_DECAY: tl.constexpr,
-    LOWER_BOUND: tl.constexpr, INTERPRETED: tl.constexpr, REPLAY: tl.constexpr,
+    LOWER_BOUND: tl.constexpr, INTERPRETED: tl.constexpr, REPLAY: tl.constexpr, ROUND_EACH_TOKEN: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     hv = tl.program_id(1)
@@ -444,7 +445,7 @@ def recurrence_kernel(
             S = replay_pending(S, corr_ptr, key_ptr, decay_ptr, read_row, hv, h, max_window, replay_len, boundary,
                                boundary_len, final, state_ptr, stride_s_slot, stride_s_h, tile, mask_tile, offs_v,
                                mask_v, offs_k, mask_k, offs_g, mask_g, null_slot, H, HV, K, V, ROW_LANES, K_INNER,
-                               K_CHUNKS, EXACT, EXACT_K, EXACT_V, VECTOR_DECAY, INTERPRETED)
+                               K_CHUNKS, EXACT, EXACT_K, EXACT_V, VECTOR_DECAY, ROUND_EACH_TOKEN, INTERPRETED)
             if (replay_len > 0) & (i_v == 0) & (hv == 0):
                 count_replay(plan_ptr, plan_rows, prev)
         for t in range(0, length):
@@ -462,9 +463,10 @@ def recurrence_kernel(
                                                      tile_vector(decay, ROW_LANES, K_INNER, K_CHUNKS))
             else:
                 S, correction, o_t = delta_rule_step(S, k_hat, q_hat, v_t, beta, decay)
-            # a non-fp32 pool's state is rounded after every token, as one call per token would
-            # store it (the output above came from the state before that rounding, as there)
-            S = as_stored(S, state_ptr.dtype.element_ty, INTERPRETED)
+            # with ROUND_EACH_TOKEN a non-fp32 pool's state is rounded after every token, as one
+            # call per token would store it (the output above came from the state before that
+            # rounding, as there)
+            S = as_stored(S, state_ptr.dtype.element_ty, ROUND_EACH_TOKEN, INTERPRETED)
 
             tok = (start + t).to(tl.int64)
             store_masked(out_ptr + tok * stride_o_t + hv * stride_o_h + offs_v,
