@@ -47,7 +47,9 @@ class Window:
 
 
 def window(N: int, T: int, H: int, HV: int, K: int, V: int, *, state_dtype=torch.float32,
-           extra_slots: int = 0, device="cuda", seed: int = 0) -> Window:
+           extra_slots: int = 0, device="cuda", seed: int = 0, round_each_token: bool = True) -> Window:
+    """``round_each_token``: the records' rounding mode (``ReplayRecords``), which the window's
+    verify, its commits and its deferred steps (:class:`DeferredLayer`) follow."""
     g = torch.Generator(device=device).manual_seed(seed)
     total = N * T
     kw = dict(device=device, generator=g)
@@ -61,7 +63,7 @@ def window(N: int, T: int, H: int, HV: int, K: int, V: int, *, state_dtype=torch
     state = (torch.randn(N + extra_slots, HV, V, K, **kw) * 0.1).to(state_dtype)
     state_indices = torch.arange(N, dtype=torch.int32, device=device)
     qsl = torch.arange(0, (N + 1) * T, T, dtype=torch.int32, device=device)
-    records = rs.ReplayRecords.allocate(N, T, H, HV, K, V, device=device)
+    records = rs.ReplayRecords.allocate(N, T, H, HV, K, V, device=device, round_each_token=round_each_token)
     return Window(q, k, v, a, b, A_log, dt_bias, state, state_indices, qsl, records, N, T)
 
 
@@ -75,7 +77,8 @@ class DeferredLayer:
         HV = w.state.shape[1]
         self.w, self.accepted, self.backend = w, accepted, backend
         self.records = rs.ReplayRecords.allocate(w.N, w.T, H, HV, K, V, device=w.state.device,
-                                                 vector_decay=w.family == "kda", buffers=2)
+                                                 vector_decay=w.family == "kda", buffers=2,
+                                                 round_each_token=w.records.round_each_token)
         self.ctx = rs.CommitContext([[rs.LayerCache(w.state, self.records)]], max_batch=w.N, backend=backend,
                                     deferred=True)
         self.rows = torch.arange(w.N, dtype=torch.int32, device=w.state.device)
