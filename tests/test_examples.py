@@ -1,6 +1,7 @@
 """The examples and the integration guide run and check themselves.
 
-``examples/speculative_step.py`` checks every step bit for bit against per-token decoding; here
+``examples/speculative_step.py`` checks every step bit for bit against per-token decoding, and
+``examples/transformers_generate.py`` speculative ``generate`` against plain greedy; here
 it runs on ``cpu_ref`` under ``torch.compile(fullgraph=True)``, and on the Triton kernels in
 Triton's CPU interpreter (or on the GPU where there is one). The Python snippets of
 ``docs/INTEGRATION.md`` run in order as one program, except those marked ``<!-- not run ... -->``.
@@ -29,6 +30,11 @@ def run(args: list[str], timeout: int = 300) -> str:
 def run_example(script: str, *args: str) -> None:
     out = run([os.path.join(EXAMPLES, script), *args])
     assert out.splitlines()[-1].startswith("OK: "), out
+
+
+def test_transformers_generate():
+    pytest.importorskip("transformers")
+    run_example("transformers_generate.py")
 
 
 def test_speculative_step_compiled_on_cpu_ref():

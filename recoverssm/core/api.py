@@ -165,8 +165,12 @@ _RECURRENCE_DOC = """
     Per token: ``k^ = k / sqrt(sum(k^2) + 1e-6)``, ``q^ = q / sqrt(sum(q^2) + 1e-6) * scale``
     (with ``use_qk_l2norm``; else ``k^ = k``, ``q^ = q * scale``; ``scale`` defaults to
     ``K ** -0.5``), ``S' = S * decay``, ``c = beta * (v - S' k^)``, ``S = fma(c, k^, S')``,
-    ``o = S q^``; the state stays fp32 within a call. Returns ``out`` ``[T_total, HV, V]`` in
-    ``v.dtype``. ``check``: run the checks of index values on device tensors (a host sync).
+    ``o = S q^``; the state is fp32 within a call, and with ``round_each_token`` (the records'
+    mode in verify, an argument of decode and snapshot; default ``True``) a bf16 pool's is
+    rounded to bf16 after every token, the output taken before (so a window in one call gives the
+    bits of one call per token); without it, only where it is stored. Returns ``out``
+    ``[T_total, HV, V]`` in ``v.dtype``. ``check``: run the checks of index values on device
+    tensors (a host sync).
 """
 
 
@@ -255,7 +259,7 @@ def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, state: torc
                backend: BackendArg = None,
                check: Optional[bool] = None) -> torch.Tensor:
     """The native per-token path: run each row's tokens and store its final state back into
-    its slot (a bf16 state rounded once, at that store). No two rows may write one slot."""
+    its slot. No two rows may write one slot. ``round_each_token``: as the layer's records."""
     return _recurrence("gdn", "decode", q, k, v, state, state_indices, query_start_loc, None, None,
                        dict(a=a, b=b, A_log=A_log, dt_bias=dt_bias, g=g, beta=beta), scale, use_qk_l2norm,
                        null_slot, out, backend, check,
@@ -279,7 +283,7 @@ def gdn_spec_decode_snapshot(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     ``state[snapshot_slots[r, t]]`` (skipped where that entry is padding).
 
     ``snapshot_slots``: int32 ``[B, T_max]``; each row's length at most ``T_max``. A bf16 state is
-    rounded once per stored position; the running state stays fp32.
+    rounded per stored position, and with ``round_each_token`` after every token.
     """
     return _recurrence("gdn", "snapshot", q, k, v, state, state_indices, query_start_loc, None, snapshot_slots,
                        dict(a=a, b=b, A_log=A_log, dt_bias=dt_bias, g=g, beta=beta), scale, use_qk_l2norm,
