@@ -46,6 +46,21 @@ class RecurrenceRun:
                                  query_start_loc=i32(qsl, self.device), **self.common)
         return out, state
 
+    def decode_steps(self, counts: Sequence[int]) -> torch.Tensor:
+        """One-token decode calls, one per window position, over the first ``counts[r]`` tokens
+        of each live row (how a server that does not speculate decodes); returns the state."""
+        state = self.p.state.to(self.device).clone()
+        for t in range(max(counts, default=0)):
+            rows = [r for r in self.p.live_rows() if counts[r] > t]
+            if not rows:
+                continue
+            # one token of each row: "rows" starting at the tokens' indices, one token long
+            tok, qsl = prefix(self.tok, [self.p.qsl[r] + t for r in rows], [1] * len(rows))
+            slots = i32([self.p.sources[r] for r in rows], self.device)
+            self.ops["decode"](**tok, **self.heads, state=state, state_indices=slots,
+                               query_start_loc=i32(qsl, self.device), **self.common)
+        return state
+
     def snapshot(self):
         state = self.p.state.to(self.device).clone()
         slots = torch.tensor(self.p.snapshot_slots, dtype=torch.int32, device=self.device)
@@ -127,6 +142,9 @@ class RecurrenceCheck:
         n = [min(a, length) for a, length in zip(self.p.num_accepted, self.case.lengths)]
         _, dec = self.dut.decode(n)
         self.report.exact(self.label, "commit == own decode (bit-exact)", [(c_dut, dec)])
+        # ... and (every state is rounded after every token) one-token decode calls, as a server
+        # that does not speculate runs them.
+        self.report.exact(self.label, "commit == own one-token decode steps", [(c_dut, self.dut.decode_steps(n))])
 
 
 def check_recurrence(report: Report, case: RecurrenceCase, backend, device: torch.device, gen: torch.Generator,
