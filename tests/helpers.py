@@ -16,6 +16,7 @@ Two ways to build a GDN :class:`Problem`:
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Optional
@@ -478,9 +479,11 @@ def clone_all(obj):
     if isinstance(obj, torch.Tensor):
         return obj.clone() if obj.device.type != "meta" else obj
     if isinstance(obj, rs.ReplayRecords):
-        return rs.ReplayRecords(clone_all(obj.correction), clone_all(obj.key), clone_all(obj.decay))
+        return dataclasses.replace(obj, correction=clone_all(obj.correction), key=clone_all(obj.key),
+                                   decay=clone_all(obj.decay))
     if isinstance(obj, rs.LayerCache):
-        return rs.LayerCache(clone_all(obj.state), clone_all(obj.records), clone_all(obj.conv_state), obj.conv_width)
+        return dataclasses.replace(obj, state=clone_all(obj.state), records=clone_all(obj.records),
+                                   conv_state=clone_all(obj.conv_state))
     if isinstance(obj, (list, tuple)):
         return type(obj)(clone_all(o) for o in obj)
     if isinstance(obj, dict):

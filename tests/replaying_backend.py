@@ -107,8 +107,8 @@ class ReplayingBackend(Backend):
     def conv_decode(self, *args, bind=False):
         return self._through_op(bind, self.ref().conv_decode, args)
 
-    def recurrence(self, *args, pending=None, bind=False):
-        return self._through_op(bind, self.ref().recurrence, args, pending=pending)
+    def recurrence(self, *args, pending=None, round_each_token=True, bind=False):
+        return self._through_op(bind, self.ref().recurrence, args, pending=pending, round_each_token=round_each_token)
 
     def plan_commit(self, *args):
         self.ref().plan_commit(*args)

@@ -16,16 +16,33 @@ pytestmark = pytest.mark.skipif("cuda" not in backends(), reason="needs the Trit
 
 
 def test_rows_hold_both_modes(monkeypatch):
+    """Each row times the default mode, then the other; every op of a mode runs in that mode."""
     modes = []
     monkeypatch.setattr(rounding, "grid", lambda quick: [(2, 3)])
     monkeypatch.setattr(rounding, "copies_for", lambda state_bytes: 1)
+    window, snapshot, deferred = rounding.window, rounding.rs.gdn_spec_decode_snapshot, rounding.DeferredLayer
+
+    def recorded_window(*args, round_each_token, **kw):
+        modes.append(("window", round_each_token))
+        return window(*args, round_each_token=round_each_token, **kw)
+
+    def recorded_snapshot(*args, round_each_token, **kw):
+        modes.append(("snapshot", round_each_token))
+        return snapshot(*args, round_each_token=round_each_token, **kw)
+
+    class RecordedDeferred(deferred):
+        def __init__(self, w, *args, **kw):
+            super().__init__(w, *args, **kw)
+            modes.append(("deferred", self.records.round_each_token))
 
     def fake_timer(calls, *a, **k):
         for call in calls:
             call()
-        modes.append(len(modes))
-        return 2.0 if len(modes) <= 4 else 1.0       # the first mode's four ops, then the second's
+        return 2.0 if modes[-1][1] else 1.0          # the mode of the case being timed
 
+    monkeypatch.setattr(rounding, "window", recorded_window)
+    monkeypatch.setattr(rounding.rs, "gdn_spec_decode_snapshot", recorded_snapshot)
+    monkeypatch.setattr(rounding, "DeferredLayer", RecordedDeferred)
     monkeypatch.setattr(rounding, "median_us", fake_timer)
     with ProgressBar(1, "t", enabled=False) as progress:
         rows = rounding.bench_rounding(False, progress, device=device_of("cuda"), dims=(1, 2, 16, 16))
@@ -33,6 +50,10 @@ def test_rows_hold_both_modes(monkeypatch):
     assert row["kind"] == "rounding" and row["N"] == 2 and row["T"] == 3 and row["HV"] == 2
     for op in ("verify", "commit", "snapshot", "deferred_step"):
         assert row[f"{op}_us"] == 2.0 and row[f"{op}_off_us"] == 1.0 and row[f"{op}_cost"] == 2.0
+    on = [m for what, m in modes[:len(modes) // 2]]
+    off = [m for what, m in modes[len(modes) // 2:]]
+    assert {what for what, _ in modes} == {"window", "snapshot", "deferred"}
+    assert on and all(on) and off and not any(off)
 
 
 def test_the_two_modes_give_different_states():

@@ -15,6 +15,7 @@ only where it is stored: verify + commit of n == one decode call of the n tokens
 deferred path == the eager one."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -223,7 +224,8 @@ def test_the_mode_must_be_a_bool():
         rs.gdn_decode(x, x, x, state=torch.zeros(1, 1, 4, 4), state_indices=torch.zeros(1, dtype=I32),
                       query_start_loc=torch.tensor([0, 1], dtype=I32), g=torch.zeros(1, 1), beta=torch.zeros(1, 1),
                       round_each_token="yes")
-    records = rs.ReplayRecords.allocate(2, 2, 1, 1, 4, 4)
-    records.round_each_token = None
+    records = dataclasses.replace(rs.ReplayRecords.allocate(2, 2, 1, 1, 4, 4), round_each_token=None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        records.round_each_token = False         # frozen: a verify and its commit read one mode
     with pytest.raises(TypeError, match="records.round_each_token"):
         rs.CommitContext([[rs.LayerCache(torch.zeros(2, 1, 4, 4), records)]], max_batch=2)

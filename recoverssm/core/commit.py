@@ -262,11 +262,13 @@ class CommitContext:
 
     def owns(self, states: Sequence[torch.Tensor], conv_states: Sequence[torch.Tensor],
              corrections: Sequence[torch.Tensor], keys: Sequence[torch.Tensor],
-             decays: Sequence[torch.Tensor]) -> bool:
-        """True when these are this context's very tensors (its committer's tables point at them)."""
+             decays: Sequence[torch.Tensor], settings: Sequence[Sequence]) -> bool:
+        """True when these are this context's very tensors (its committer's tables point at them)
+        and ``settings`` its layers' (groups, conv widths, conv dilations, rounding modes)."""
         mine = self._layer_args
         lists = (states, conv_states, corrections, keys, decays)
-        return all(len(a) == len(b) and all(x is y for x, y in zip(a, b)) for a, b in zip(lists, mine[:5]))
+        return (all(len(a) == len(b) and all(x is y for x, y in zip(a, b)) for a, b in zip(lists, mine[:5]))
+                and all(list(a) == b for a, b in zip(settings, mine[5:])))
 
 
 def _layer_tensors(name: str, where: str, group: int, layer, deferred: bool) -> LayerTensors:

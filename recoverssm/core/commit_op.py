@@ -57,7 +57,9 @@ def run_commit_op(states, conv_states, corrections, keys, decays, groups, conv_w
     keyed by :func:`repeat_args` (only for a context's own tensors)."""
     name = "CommitContext.commit"
     ctx = _CONTEXTS.get(context)
-    owned = ctx is not None and ctx.owns(states, conv_states, corrections, keys, decays) and ctx.null_slot == null_slot
+    settings = (groups, conv_widths, conv_dilations, round_each_token)
+    owned = (ctx is not None and ctx.owns(states, conv_states, corrections, keys, decays, settings)
+             and ctx.null_slot == null_slot)
     if owned:
         committer, layers, device = ctx.committer, ctx.layers, ctx.device
     else:
@@ -105,7 +107,8 @@ def run_flush_op(states, conv_states, corrections, keys, decays, groups, conv_wi
     the context's committer when these are its very tensors (else one built for this call)."""
     name = "CommitContext.flush"
     ctx = _CONTEXTS.get(context)
-    owned = (ctx is not None and ctx.deferred and ctx.owns(states, conv_states, corrections, keys, decays)
+    settings = (groups, conv_widths, conv_dilations, round_each_token)
+    owned = (ctx is not None and ctx.deferred and ctx.owns(states, conv_states, corrections, keys, decays, settings)
              and ctx.null_slot == null_slot)
     if owned:
         committer, layers, device = ctx.committer, ctx.layers, ctx.device

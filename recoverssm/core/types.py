@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 
-@dataclass
+@dataclass(frozen=True)
 class ReplayRecords:
     """Per-token replay records of one recurrent layer, written by verify, read by the commit.
 
@@ -33,7 +33,8 @@ class ReplayRecords:
     after every token, in verify, in the commit's replay and in the deferred replay, so that a
     bf16 pool gets the bits of one-token-per-call decoding; ``False`` keeps it fp32 within a call
     and rounds it only where it is stored (fewer instructions per token; for fp32 pools the two
-    are the same).
+    are the same). Frozen, like every field: a layer's verify and the commit that replays its
+    records (which specializes its launches on the mode once) then cannot disagree.
     """
 
     correction: torch.Tensor

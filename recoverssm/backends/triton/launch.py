@@ -176,6 +176,7 @@ def recurrence_specialization(table: LaunchTable, state_dtype: torch.dtype, H: i
     spilled, and their verify, decode and snapshot ran 15% slower). Remembered per argument
     (every call asks; the answer is a few dicts)."""
     interpreted = interpreting()
+    round_each_token = rounds_each_token(state_dtype, round_each_token)
     key = (id(table), state_dtype, H, HV, K, V, state_row_stride, gates.kind, gates.precomputed,
            gates.lower_bound is None, use_qk_l2norm, aligned, heads_times_rows, interpreted, replay, round_each_token)
     hit = _SPECIALIZATIONS.get(key)
@@ -299,10 +300,16 @@ def _vector_aligned(layer: CommitLayer) -> bool:
             and layer.correction.shape[3] % 4 == 0 and layer.key.shape[3] % 4 == 0)
 
 
+def rounds_each_token(state_dtype: torch.dtype, round_each_token: bool) -> bool:
+    """The ``ROUND_EACH_TOKEN`` constexpr: the mode matters for pools narrower than fp32 only, so
+    fp32 pools run one binary (and one commit launch) whatever their layers' modes."""
+    return bool(round_each_token) and state_dtype != torch.float32
+
+
 def _specialization_key(layer: CommitLayer) -> tuple:
     """What one commit launch's specialization depends on: layers that agree share a launch."""
     return (layer.state.dtype, layer.key.shape[1], layer.correction.shape[1], layer.key.shape[3],
-            layer.correction.shape[3], layer.vector_decay, layer.round_each_token)
+            layer.correction.shape[3], layer.vector_decay, rounds_each_token(layer.state.dtype, layer.round_each_token))
 
 
 class _Launch:
@@ -315,7 +322,7 @@ class _Launch:
         self.H, self.HV = first.key.shape[1], first.correction.shape[1]
         self.K, self.V = first.key.shape[3], first.correction.shape[3]
         self.vector_decay = first.vector_decay
-        self.round_each_token = first.round_each_token
+        self.round_each_token = rounds_each_token(first.state.dtype, first.round_each_token)
         conv_layers = [layer for layer in layers if layer.conv_state is not None]
         conv_dtypes = {layer.conv_state.dtype for layer in conv_layers}
         if len(conv_dtypes) > 1:
