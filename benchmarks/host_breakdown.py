@@ -13,7 +13,7 @@ above it calls it, so the pieces nest and their differences (printed below the r
 of each layer:
 
 * verify: ``rs.gdn_verify`` (the Python API) > ``torch.ops.recoverssm.gdn_verify`` (the
-  dispatcher) > the op's body (``core.ops.IMPLEMENTATIONS``) > the argument checks
+  dispatcher) > the op's body (``core.ops.OPS[name].implementation``) > the argument checks
   (``core.arguments.check_recurrence``), the backend's resolution (``core.ops.backend_for``) and
   the backend's ``recurrence`` (on a Triton backend: ``launch.recurrence``, the launcher). A call
   that repeats an earlier call's layout (on a GPU) is the API's own work, the call key
@@ -126,7 +126,7 @@ def whole_calls(w, step, ctx, index_sets, backend: str, out) -> dict:
 def verify_pieces(w, backend: str, out) -> list:
     import recoverssm as rs
     from recoverssm.core.arguments import check_recurrence
-    from recoverssm.core.ops import IMPLEMENTATIONS, backend_for
+    from recoverssm.core.ops import OPS, backend_for
     from recoverssm.core.repeats import REPEATS, call_key
 
     rec = w.records
@@ -136,7 +136,7 @@ def verify_pieces(w, backend: str, out) -> list:
     op = functools.partial(torch.ops.recoverssm.gdn_verify, w.q, w.k, w.v, w.state, w.state_indices,
                            w.query_start_loc, *records, w.a, w.b, w.A_log, w.dt_bias, None, None, None, True, -1,
                            rec.round_each_token, out, backend, None)
-    body = functools.partial(IMPLEMENTATIONS["gdn_verify"], q=w.q, k=w.k, v=w.v, state=w.state,
+    body = functools.partial(OPS["gdn_verify"].implementation, q=w.q, k=w.k, v=w.v, state=w.state,
                              state_indices=w.state_indices, query_start_loc=w.query_start_loc, a=w.a, b=w.b,
                              A_log=w.A_log, dt_bias=w.dt_bias, g=None, beta=None, scale=None, use_qk_l2norm=True,
                              null_slot=-1, round_each_token=rec.round_each_token, out=out, backend=backend,
@@ -161,7 +161,7 @@ def verify_pieces(w, backend: str, out) -> list:
                 ("verify", "  repeats: the bound launch alone (Triton's launcher)", bound)]
     rows += [("verify", "  repeats.call_key (what a repeated call computes before its launch)", key),
              ("verify", "torch.ops.recoverssm.gdn_verify (dispatcher)", op),
-             ("verify", "op body: IMPLEMENTATIONS['gdn_verify']", body),
+             ("verify", "op body: OPS['gdn_verify']", body),
              ("verify", "  check_recurrence (argument checks)", checks),
              ("verify", "  backend_for (backend resolution)", functools.partial(backend_for, "gdn_verify", backend,
                                                                                w.state.device)),
@@ -309,8 +309,8 @@ DIFFERENCES = [
      "gdn_verify (API), a repeated call", ["  repeats.call_key*", "  repeats: the bound launch*"]),
     ("verify", "Python API", "gdn_verify (API)", ["torch.ops.recoverssm.gdn_verify (dispatcher)"]),
     ("verify", "dispatcher", "torch.ops.recoverssm.gdn_verify (dispatcher)",
-     ["op body: IMPLEMENTATIONS['gdn_verify']"]),
-    ("verify", "rest of the op body", "op body: IMPLEMENTATIONS['gdn_verify']",
+     ["op body: OPS['gdn_verify']"]),
+    ("verify", "rest of the op body", "op body: OPS['gdn_verify']",
      ["  check_recurrence (argument checks)", "  backend_for (backend resolution)", "*.recurrence (backend)"]),
     ("commit, checked path", "Python API", "CommitContext.commit (API), repeats switched off",
      ["torch.ops.recoverssm.commit (dispatcher)"]),

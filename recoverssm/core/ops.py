@@ -6,6 +6,9 @@ states exactly which arguments it writes (``Tensor(a!)``). Outputs are written i
 tensors the caller passes (the Python API allocates them when not given), so every op but
 ``plan_commit`` returns nothing.
 
+The op table, :data:`OPS`, holds one :class:`OpSpec` per op: schema, implementation, capability,
+repeat key, name in errors.
+
 How the op finds its backend: one implementation is registered for every device
 (``CompositeExplicitAutograd``); at run time it resolves the backend through the pluggy registry
 (``core/registry.py``): the ``backend`` string argument when not empty, else
@@ -17,7 +20,7 @@ dtype, device, stride and overlap checks always; checks of index *values* on CPU
 and on device tensors when ``check`` is true (or ``RECOVERSSM_CHECK=1``), never during CUDA
 graph capture (``core/validation.py``). The rules for what a call writes (inference tensors,
 version counters: ``core/writes.py``) are applied here, around every implementation. An op that
-may be repeated (``REPEATABLE``) asks its backend for its launch bound to the call's addresses
+may be repeated (``OpSpec.repeat``) asks its backend for its launch bound to the call's addresses
 when the repeat cache would keep it, and hands it over (``core/repeats.py``); an eager call that
 repeats the layout then skips all of this. The fake implementations
 (``torch.library.register_fake``, what ``torch.compile`` traces, and what a call mixing meta
@@ -26,7 +29,8 @@ and describe the outputs.
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -47,80 +51,34 @@ LIB = torch.library.Library(NAMESPACE, "DEF")
 _GATES = "Tensor? a, Tensor? b, Tensor? A_log, Tensor? dt_bias, Tensor? g, Tensor? beta"
 _TOKENS = "Tensor q, Tensor k, Tensor v"
 _TAIL = "str backend, bool? check"
-
-SCHEMAS = {
-    "conv_verify": "(Tensor x, Tensor(a!) conv_state, Tensor weight, Tensor? bias, Tensor state_indices, "
-                   "Tensor query_start_loc, bool silu, int dilation, int null_slot, Tensor(b!) out, "
-                   f"Tensor(c!)? pending_plan, Tensor? pending_rows, {_TAIL}) -> ()",
-    "conv_decode": "(Tensor x, Tensor(a!) conv_state, Tensor weight, Tensor? bias, Tensor state_indices, "
-                   f"bool silu, int dilation, int null_slot, Tensor(b!) out, {_TAIL}) -> ()",
-    "plan_commit": "(Tensor num_accepted, Tensor state_indices, Tensor query_start_loc, Tensor? request_indices, "
-                   "Tensor? block_table, Tensor? num_computed_tokens, int? block_size, int null_slot, "
-                   f"int? num_slots, {_TAIL}) -> (Tensor, Tensor, Tensor, Tensor)",
-    "commit": "(Tensor(a!)[] states, Tensor(b!)[] conv_states, Tensor[] corrections, Tensor[] keys, "
-              "Tensor[] decays, int[] groups, int[] conv_widths, int[] conv_dilations, bool[] round_each_token, "
-              "Tensor num_accepted, "
-              "Tensor query_start_loc, "
-              "Tensor[] state_indices, Tensor?[] request_indices, Tensor?[] block_tables, "
-              "Tensor?[] num_computed_tokens, int[] block_sizes, int null_slot, int max_batch, int context, "
-              f"{_TAIL}) -> ()",
-    "defer": "(Tensor(a!) plan, Tensor(b!) parity, Tensor num_accepted, Tensor query_start_loc, "
-             "Tensor[] state_indices, Tensor?[] request_indices, Tensor?[] block_tables, "
-             "Tensor?[] num_computed_tokens, int[] block_sizes, int null_slot, int max_batch, int context, "
-             f"{_TAIL}) -> ()",
-    "flush": "(Tensor(a!)[] states, Tensor(b!)[] conv_states, Tensor[] corrections, Tensor[] keys, "
-             "Tensor[] decays, int[] groups, int[] conv_widths, int[] conv_dilations, bool[] round_each_token, "
-             "Tensor(c!) plan, "
-             "Tensor parity, Tensor rows, "
-             f"int null_slot, int max_batch, int context, {_TAIL}) -> ()",
-}
-for _kind in ("gdn", "kda"):
-    _bound = ", float? lower_bound" if _kind == "kda" else ""
-    SCHEMAS[f"{_kind}_verify"] = (
-        f"({_TOKENS}, Tensor state, Tensor state_indices, Tensor query_start_loc, Tensor(a!) correction, "
-        f"Tensor(b!) key, Tensor(c!) decay, {_GATES}{_bound}, float? scale, bool use_qk_l2norm, "
-        f"int null_slot, bool round_each_token, Tensor(d!) out, {_TAIL}) -> ()")
+_LAYERS = ("Tensor(a!)[] states, Tensor(b!)[] conv_states, Tensor[] corrections, Tensor[] keys, Tensor[] decays, "
+           "int[] groups, int[] conv_widths, int[] conv_dilations, bool[] round_each_token")
+_STEP = ("Tensor[] state_indices, Tensor?[] request_indices, Tensor?[] block_tables, Tensor?[] num_computed_tokens, "
+         "int[] block_sizes, int null_slot, int max_batch, int context")
+#: the recurrence families: the schema arguments a family adds after the gates
+FAMILY_ARGUMENTS = {"gdn": "", "kda": ", float? lower_bound"}
+#: the recurrence modes: op name suffix -> (mode, schema of the state argument, extra arguments)
+_RECURRENCE_OPS = {
+    "verify": ("verify", "Tensor state", "Tensor(a!) correction, Tensor(b!) key, Tensor(c!) decay, ", ""),
     # verify after a deferred commit: it writes the state where a row replays its pending step
-    SCHEMAS[f"{_kind}_verify_pending"] = (
-        f"({_TOKENS}, Tensor(f!) state, Tensor state_indices, Tensor query_start_loc, Tensor(a!) correction, "
-        f"Tensor(b!) key, Tensor(c!) decay, {_GATES}{_bound}, float? scale, bool use_qk_l2norm, "
-        f"int null_slot, bool round_each_token, Tensor(d!) out, Tensor(e!) pending_plan, Tensor? pending_rows, "
-        f"Tensor parity, "
-        f"{_TAIL}) -> ()")
-    SCHEMAS[f"{_kind}_decode"] = (
-        f"({_TOKENS}, Tensor(a!) state, Tensor state_indices, Tensor query_start_loc, {_GATES}{_bound}, "
-        f"float? scale, bool use_qk_l2norm, int null_slot, bool round_each_token, Tensor(b!) out, {_TAIL}) -> ()")
-    SCHEMAS[f"{_kind}_spec_decode_snapshot"] = (
-        f"({_TOKENS}, Tensor(a!) state, Tensor state_indices, Tensor query_start_loc, Tensor snapshot_slots, "
-        f"{_GATES}{_bound}, float? scale, bool use_qk_l2norm, int null_slot, bool round_each_token, "
-        f"Tensor(b!) out, {_TAIL}) -> ()")
-
-#: The capability a backend must declare for each op (``Backend.CAPABILITIES``).
-CAPABILITY = {"conv_verify": "conv_verify", "conv_decode": "conv_decode", "plan_commit": "plan_commit",
-              "commit": "commit", **{f"{k}_{m}": k for k in ("gdn", "kda")
-                                     for m in ("verify", "decode", "spec_decode_snapshot")},
-              **{f"{k}_verify_pending": "deferred" for k in ("gdn", "kda")}, "defer": "deferred",
-              "flush": "deferred"}
+    "verify_pending": ("verify", "Tensor(f!) state", "Tensor(a!) correction, Tensor(b!) key, Tensor(c!) decay, ",
+                       "Tensor(e!) pending_plan, Tensor? pending_rows, Tensor parity, "),
+    "decode": ("decode", "Tensor(a!) state", "", ""),
+    "spec_decode_snapshot": ("snapshot", "Tensor(a!) state", "Tensor snapshot_slots, ", ""),
+}
 
 
-def _step_key(a: dict) -> tuple:
-    return repeat_args(a["context"], a["num_accepted"], a["query_start_loc"], a["state_indices"], a["request_indices"],
-                       a["block_tables"], a["num_computed_tokens"], a["block_sizes"], a["check"])
-
-
-#: The ops whose launches an eager call may repeat (``core/repeats.py``), and what each is keyed
-#: on there: its own arguments in schema order (``None``), or for the ops of a commit context the
-#: context and the step (its layers and pending tensors are the context's).
-REPEATABLE = {"conv_verify": None, "conv_decode": None, "commit": _step_key, "defer": _step_key,
-              "flush": lambda a: (a["context"], a["rows"], a["check"]),
-              **{f"{k}_{m}": None for k in ("gdn", "kda")
-                 for m in ("verify", "verify_pending", "decode", "spec_decode_snapshot")}}
+def _recurrence_schema(kind: str, suffix: str) -> str:
+    _, state, before_gates, after_out = _RECURRENCE_OPS[suffix]
+    return (f"({_TOKENS}, {state}, Tensor state_indices, Tensor query_start_loc, {before_gates}{_GATES}"
+            f"{FAMILY_ARGUMENTS[kind]}, float? scale, bool use_qk_l2norm, int null_slot, bool round_each_token, "
+            f"Tensor(d!) out, {after_out}{_TAIL}) -> ()")
 
 
 def backend_for(op: str, name: str, device: torch.device) -> Backend:
     """The backend that runs ``op`` on ``device``: ``name`` if not empty, else the registry's
     choice (``RECOVERSSM_BACKEND``, else by device type); it must declare the op's capability."""
-    return _registry.backend_for(op, CAPABILITY[op], name, device)
+    return _registry.backend_for(op, OPS[op].capability, name, device)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -196,26 +154,71 @@ def _plan_commit(num_accepted, state_indices, query_start_loc, request_indices, 
     return out
 
 
-IMPLEMENTATIONS = {"conv_verify": _conv_verify, "conv_decode": _conv_decode, "plan_commit": _plan_commit,
-                   "commit": run_commit_op, "defer": run_defer_op, "flush": run_flush_op}
-for _kind in ("gdn", "kda"):
-    for _mode, _suffix in (("verify", "verify"), ("verify", "verify_pending"), ("decode", "decode"),
-                           ("snapshot", "spec_decode_snapshot")):
-        IMPLEMENTATIONS[f"{_kind}_{_suffix}"] = _recurrence(_kind, _mode, f"{_kind}_{_suffix}")
-
-#: How errors name an op (the commit is called through ``CommitContext.commit``).
-_SHOWN_AS = {"commit": "CommitContext.commit", "defer": "CommitContext.defer", "flush": "CommitContext.flush"}
+# ------------------------------------------------------------------------------------------------
+# the op table
+# ------------------------------------------------------------------------------------------------
+#: ``OpSpec.repeat`` of an op whose repeats are keyed on its own arguments, in schema order
+OWN_ARGUMENTS = "own arguments"
 
 
-def _by_name(name: str, fn, schema: str, static: bool):
-    """``fn`` called with the schema's arguments by name (the dispatcher passes them in order,
-    or some by keyword when the op is called so); ``static``: the fake implementation (checks
-    that need no data, no backend). Around the real one: the rules for what a call writes
-    (``writes.py``), and for a repeatable op the launch handed to the repeat cache."""
-    names = tuple(a.name for a in torch._C.parse_schema("f" + schema).arguments)
-    repeatable = name in REPEATABLE
-    key_of = REPEATABLE.get(name)
-    shown = _SHOWN_AS.get(name, name)
+@dataclass(frozen=True)
+class OpSpec:
+    """One op, in one record. ``schema``: its arguments and what it writes (``Tensor(a!)``);
+    ``implementation``: called with the schema's arguments by name (and ``static`` for the fake
+    implementation, ``bind`` where it repeats); ``capability``: what a backend must declare for it
+    (``Backend.CAPABILITIES``); ``repeat``: whether an eager call may repeat its launch
+    (``core/repeats.py``) and what that is keyed on: :data:`OWN_ARGUMENTS`, a function of the named
+    arguments (the ops of a commit context: the context and the step, its layers and pending
+    tensors being the context's), or ``None`` (never repeated); ``shown_as``: how errors name it."""
+
+    schema: str
+    implementation: Callable
+    capability: str
+    repeat: Union[None, str, Callable[[dict], tuple]] = None
+    shown_as: Optional[str] = None
+
+
+def _step_key(a: dict) -> tuple:
+    return repeat_args(a["context"], a["num_accepted"], a["query_start_loc"], a["state_indices"], a["request_indices"],
+                       a["block_tables"], a["num_computed_tokens"], a["block_sizes"], a["check"])
+
+
+OPS: dict[str, OpSpec] = {
+    "conv_verify": OpSpec(
+        "(Tensor x, Tensor(a!) conv_state, Tensor weight, Tensor? bias, Tensor state_indices, Tensor query_start_loc, "
+        "bool silu, int dilation, int null_slot, Tensor(b!) out, Tensor(c!)? pending_plan, Tensor? pending_rows, "
+        f"{_TAIL}) -> ()", _conv_verify, "conv_verify", OWN_ARGUMENTS),
+    "conv_decode": OpSpec(
+        "(Tensor x, Tensor(a!) conv_state, Tensor weight, Tensor? bias, Tensor state_indices, bool silu, "
+        f"int dilation, int null_slot, Tensor(b!) out, {_TAIL}) -> ()", _conv_decode, "conv_decode", OWN_ARGUMENTS),
+    "plan_commit": OpSpec(
+        "(Tensor num_accepted, Tensor state_indices, Tensor query_start_loc, Tensor? request_indices, "
+        "Tensor? block_table, Tensor? num_computed_tokens, int? block_size, int null_slot, int? num_slots, "
+        f"{_TAIL}) -> (Tensor, Tensor, Tensor, Tensor)", _plan_commit, "plan_commit"),
+    "commit": OpSpec(f"({_LAYERS}, Tensor num_accepted, Tensor query_start_loc, {_STEP}, {_TAIL}) -> ()",
+                     run_commit_op, "commit", _step_key, "CommitContext.commit"),
+    "defer": OpSpec(f"(Tensor(a!) plan, Tensor(b!) parity, Tensor num_accepted, Tensor query_start_loc, {_STEP}, "
+                    f"{_TAIL}) -> ()", run_defer_op, "deferred", _step_key, "CommitContext.defer"),
+    "flush": OpSpec(f"({_LAYERS}, Tensor(c!) plan, Tensor parity, Tensor rows, int null_slot, int max_batch, "
+                    f"int context, {_TAIL}) -> ()", run_flush_op, "deferred",
+                    lambda a: (a["context"], a["rows"], a["check"]), "CommitContext.flush"),
+    **{f"{kind}_{suffix}": OpSpec(_recurrence_schema(kind, suffix), _recurrence(kind, mode, f"{kind}_{suffix}"),
+                                  "deferred" if suffix == "verify_pending" else kind, OWN_ARGUMENTS)
+       for kind in FAMILY_ARGUMENTS for suffix, (mode, *_) in _RECURRENCE_OPS.items()},
+}
+
+
+def _by_name(name: str, spec: OpSpec, static: bool):
+    """The op's implementation called with the schema's arguments by name (the dispatcher passes
+    them in order, or some by keyword when the op is called so); ``static``: the fake
+    implementation (checks that need no data, no backend). Around the real one: the rules for
+    what a call writes (``writes.py``), and for a repeatable op the launch handed to the repeat
+    cache."""
+    fn = spec.implementation
+    names = tuple(a.name for a in torch._C.parse_schema("f" + spec.schema).arguments)
+    repeatable = spec.repeat is not None
+    key_of = spec.repeat if callable(spec.repeat) else None
+    shown = spec.shown_as or name
 
     if static:
         def kernel(*args, **kwargs):
@@ -245,11 +248,10 @@ def _by_name(name: str, fn, schema: str, static: bool):
 
 
 def _register() -> None:
-    for name, schema in SCHEMAS.items():
-        LIB.define(name + schema)
-        LIB.impl(name, _by_name(name, IMPLEMENTATIONS[name], schema, static=False), "CompositeExplicitAutograd")
-        torch.library.register_fake(f"{NAMESPACE}::{name}",
-                                    _by_name(name, IMPLEMENTATIONS[name], schema, static=True), lib=LIB)
+    for name, spec in OPS.items():
+        LIB.define(name + spec.schema)
+        LIB.impl(name, _by_name(name, spec, static=False), "CompositeExplicitAutograd")
+        torch.library.register_fake(f"{NAMESPACE}::{name}", _by_name(name, spec, static=True), lib=LIB)
 
 
 _register()
