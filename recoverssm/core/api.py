@@ -14,7 +14,7 @@ import torch
 
 from .ops import BackendArg, op, resolve_name
 from .repeats import REPEATS
-from .types import Pending, ReplayRecords
+from .types import FAMILIES, Pending, ReplayRecords
 from .validation import check_int, check_real, check_types
 
 CONV_ACTIVATIONS = {"silu": True, None: False, "none": False, "identity": False}
@@ -179,7 +179,7 @@ def _recurrence(kind: str, mode: str, q, k, v, state, state_indices, query_start
                 pending_rows=None, round_each_token=True) -> torch.Tensor:
     name = f"{kind}_{'spec_decode_snapshot' if mode == 'snapshot' else mode}"
     scale = _as_float(scale)           # the op receives floats; an int would key its repeats apart
-    lower = () if kind == "gdn" else (_as_float(gates.pop("lower_bound")),)
+    lower = tuple(_as_float(gates.pop(name)) for name in FAMILIES[kind].scalars)
     # A repeat of an earlier call's layout is tried first: its key holds every argument, so it
     # only matches arguments of the types that call passed its checks with.
     result = _out_like(v, out) if isinstance(v, torch.Tensor) else out

@@ -14,7 +14,7 @@ import torch
 from .backend import GateInputs
 from .indices import INT32_MAX, is_request, is_slot
 from .plan import plan_rows
-from .types import PLAN_FIELDS, conv_history
+from .types import FAMILIES, PLAN_FIELDS, conv_history
 from .validation import FLOAT_DTYPES, STATE_DTYPES, Checker, PassedLayouts
 
 F32 = (torch.float32,)
@@ -214,15 +214,16 @@ class RecurrenceArgs(NamedTuple):
 
 def _check_gates(c: Checker, kind: str, T: int, HV: int, K: int, a, b, A_log, dt_bias, g, beta,
                  lower_bound) -> GateInputs:
-    per_token = (T, HV, K) if kind == "kda" else (T, HV)
-    bias_shape = (HV, K) if kind == "kda" else (HV,)
+    vector = FAMILIES[kind].vector_decay
+    per_token = (T, HV, K) if vector else (T, HV)
+    bias_shape = (HV, K) if vector else (HV,)
     raw = [x is not None for x in (a, b, A_log, dt_bias)]
     pre = [x is not None for x in (g, beta)]
     if any(raw) and any(pre):
         c.fail("g", "and beta cannot be given together with a, b, A_log, dt_bias; pass one gate form")
     if lower_bound is not None and (isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float))):
         c.fail("lower_bound", f"must be a float or None, got {type(lower_bound).__name__}", TypeError)
-    why = " (HV from state)" if kind == "gdn" else " (HV and K from state)"
+    why = " (HV and K from state)" if vector else " (HV from state)"
     if all(pre):
         if lower_bound is not None:
             c.fail("lower_bound", "selects a gate form of a and dt_bias; it cannot go with precomputed g")
@@ -341,7 +342,7 @@ def _state_and_records(c: Checker, kind: str, state, records, buffers: int = 1) 
         c.size("state", size, what)
     if records is None:
         return HV, V, K, None
-    rec = check_records(c, "records", *records, vector_decay=(kind == "kda"), buffers=buffers)
+    rec = check_records(c, "records", *records, vector_decay=FAMILIES[kind].vector_decay, buffers=buffers)
     if (rec.HV, rec.V, rec.K) != (HV, V, K):
         c.fail("state", f"has HV={HV}, V={V}, K={K}, but the records were allocated for "
                         f"HV={rec.HV}, V={rec.V}, K={rec.K}")

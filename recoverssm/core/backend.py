@@ -15,6 +15,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .pointers import PointerEncoding
+from .types import FAMILIES
 
 
 class Launch:
@@ -57,15 +58,14 @@ class Backend(ABC):
     environment: tuple[str, ...] = ()
 
     #: What a backend may declare, and what each name promises:
-    #: ``conv_verify``, ``conv_decode``: the conv ops; ``gdn``: the GDN recurrence (verify,
-    #: decode, snapshot); ``kda``: the KDA recurrence (vector decay); ``plan_commit``: the plan
+    #: ``conv_verify``, ``conv_decode``: the conv ops; each family of ``core.types.FAMILIES``
+    #: (``gdn``, ``kda``): its recurrence (verify, decode, snapshot); ``plan_commit``: the plan
     #: op; ``commit``: the grouped commit of scalar-decay records; ``vector_decay``: the commit of
     #: KDA's vector-decay records; ``bf16_state``: bf16 state pools; ``deferred``: deferred
     #: commits (verify and conv verify replaying a pending step, a committer's ``defer`` and
     #: ``flush``).
     CAPABILITIES = frozenset({
-        "conv_verify", "conv_decode", "gdn", "kda", "plan_commit", "commit", "vector_decay",
-        "bf16_state", "deferred",
+        "conv_verify", "conv_decode", *FAMILIES, "plan_commit", "commit", "vector_decay", "bf16_state", "deferred",
     })
 
     # ---- availability -------------------------------------------------------------------------
@@ -165,7 +165,7 @@ class GateInputs:
 
     @property
     def vector_decay(self) -> bool:
-        return self.kind == "kda"
+        return FAMILIES[self.kind].vector_decay
 
 
 class PendingInputs:

@@ -40,6 +40,7 @@ from .backend import Backend, PendingInputs
 from .commit_op import repeat_args, run_commit_op, run_defer_op, run_flush_op
 from .registry import registry
 from .repeats import REPEATS
+from .types import FAMILIES
 from .writes import (count_writes, refuse_inference_writes, writes_inference_tensor, written_arguments,
                      written_tensors)
 
@@ -55,8 +56,6 @@ _LAYERS = ("Tensor(a!)[] states, Tensor(b!)[] conv_states, Tensor[] corrections,
            "int[] groups, int[] conv_widths, int[] conv_dilations, bool[] round_each_token")
 _STEP = ("Tensor[] state_indices, Tensor?[] request_indices, Tensor?[] block_tables, Tensor?[] num_computed_tokens, "
          "int[] block_sizes, int null_slot, int max_batch, int context")
-#: the recurrence families: the schema arguments a family adds after the gates
-FAMILY_ARGUMENTS = {"gdn": "", "kda": ", float? lower_bound"}
 #: the recurrence modes: op name suffix -> (mode, schema of the state argument, extra arguments)
 _RECURRENCE_OPS = {
     "verify": ("verify", "Tensor state", "Tensor(a!) correction, Tensor(b!) key, Tensor(c!) decay, ", ""),
@@ -70,9 +69,10 @@ _RECURRENCE_OPS = {
 
 def _recurrence_schema(kind: str, suffix: str) -> str:
     _, state, before_gates, after_out = _RECURRENCE_OPS[suffix]
-    return (f"({_TOKENS}, {state}, Tensor state_indices, Tensor query_start_loc, {before_gates}{_GATES}"
-            f"{FAMILY_ARGUMENTS[kind]}, float? scale, bool use_qk_l2norm, int null_slot, bool round_each_token, "
-            f"Tensor(d!) out, {after_out}{_TAIL}) -> ()")
+    scalars = "".join(f", float? {name}" for name in FAMILIES[kind].scalars)
+    return (f"({_TOKENS}, {state}, Tensor state_indices, Tensor query_start_loc, {before_gates}{_GATES}{scalars}, "
+            f"float? scale, bool use_qk_l2norm, int null_slot, bool round_each_token, Tensor(d!) out, "
+            f"{after_out}{_TAIL}) -> ()")
 
 
 def backend_for(op: str, name: str, device: torch.device) -> Backend:
@@ -204,7 +204,7 @@ OPS: dict[str, OpSpec] = {
                     lambda a: (a["context"], a["rows"], a["check"]), "CommitContext.flush"),
     **{f"{kind}_{suffix}": OpSpec(_recurrence_schema(kind, suffix), _recurrence(kind, mode, f"{kind}_{suffix}"),
                                   "deferred" if suffix == "verify_pending" else kind, OWN_ARGUMENTS)
-       for kind in FAMILY_ARGUMENTS for suffix, (mode, *_) in _RECURRENCE_OPS.items()},
+       for kind in FAMILIES for suffix, (mode, *_) in _RECURRENCE_OPS.items()},
 }
 
 

@@ -12,6 +12,24 @@ import torch
 
 
 @dataclass(frozen=True)
+class Family:
+    """A recurrence family: what its ops add to, or change in, the shared recurrence.
+
+    ``vector_decay``: the decay is a K-vector per token and value head (KDA: the gate input ``a``
+    and ``g`` are ``[T, HV, K]``, ``dt_bias`` ``[HV, K]``, records with a vector decay), else a
+    scalar (GDN: ``[T, HV]`` and ``[HV]``). ``scalars``: the float arguments its ops take after
+    the gates, as the ops' schema names them (KDA's ``lower_bound``: the bounded gate)."""
+
+    name: str
+    vector_decay: bool
+    scalars: tuple[str, ...] = ()
+
+
+#: The recurrence families, by the name their ops start with (``gdn_verify``, ``kda_decode``, ...).
+FAMILIES = {"gdn": Family("gdn", vector_decay=False), "kda": Family("kda", vector_decay=True, scalars=("lower_bound",))}
+
+
+@dataclass(frozen=True)
 class ReplayRecords:
     """Per-token replay records of one recurrent layer, written by verify, read by the commit.
 
