@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -128,23 +128,33 @@ def _layer_forward(module: torch.nn.Module, adapter: Adapter, spec: _Speculation
         run: Optional[LayerRun] = layer.__dict__.get(_RUN)
         if run is not None:
             return run.run(hidden_states)
-        # The prefill: the module's own path for all but the candidates, then hand over.
         _take_over(layer)
-        T = hidden_states.shape[1]
-        # at least one token through the module's own path where the cache layer has no state yet
-        tail = min(spec.tail, T if layer.has_previous_state[0] else T - 1)
-        head = T - tail
-        outs = []
-        if head > 0:
+
+        def own(head: int) -> torch.Tensor:
             mask = attention_mask[:, :head] if attention_mask is not None else None
-            outs.append(original(module, hidden_states[:, :head], cache=cache, attention_mask=mask, **kwargs))
-        run = LayerRun(adapter, module, layer.conv_states[0], layer.recurrent_states[0], spec.backend)
-        layer.__dict__[_RUN] = run
-        spec.layers.add(layer)
-        if tail > 0:
-            outs.append(run.run(hidden_states[:, head:], candidates=True))
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+            return original(module, hidden_states[:, :head], cache=cache, attention_mask=mask, **kwargs)
+        return _prefill(spec, layer, _RUN, hidden_states, layer.has_previous_state[0], own,
+                        lambda: LayerRun(adapter, module, layer.conv_states[0], layer.recurrent_states[0],
+                                         spec.backend))
     return forward
+
+
+def _prefill(spec: _Speculation, layer, key: str, hidden_states: torch.Tensor, has_state: bool,
+             own: Callable[[int], torch.Tensor], make_run: Callable[[], object]) -> torch.Tensor:
+    """The prefill of a taken-over cache layer: the module's own path (``own(head)``) for all but
+    the candidates at the end, then the run (``make_run()``, from the states that path left),
+    kept on the cache layer under ``key``, verifies the candidates."""
+    T = hidden_states.shape[1]
+    # at least one token through the module's own path where the cache layer has no state yet
+    tail = min(spec.tail, T if has_state else T - 1)
+    head = T - tail
+    outs = [own(head)] if head > 0 else []
+    run = make_run()
+    layer.__dict__[key] = run
+    spec.layers.add(layer)
+    if tail > 0:
+        outs.append(run.run(hidden_states[:, head:], candidates=True))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
 def _ple_forwards(module: torch.nn.Module, spec: _Speculation) -> dict:
@@ -162,16 +172,9 @@ def _ple_forwards(module: torch.nn.Module, spec: _Speculation) -> dict:
         if run is not None:
             return run.run(hidden_states)
         _take_over(layer)
-        T = hidden_states.shape[1]
-        tail = min(spec.tail, T if layer.conv_states[1] is not None else T - 1)
-        head = T - tail
-        outs = [original_conv(module, hidden_states[:, :head], cache)] if head > 0 else []
-        run = PLEConvRun(module, layer.conv_states[1], spec.backend)
-        layer.__dict__[_PLE] = run
-        spec.layers.add(layer)
-        if tail > 0:
-            outs.append(run.run(hidden_states[:, head:], candidates=True))
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return _prefill(spec, layer, _PLE, hidden_states, layer.conv_states[1] is not None,
+                        lambda head: original_conv(module, hidden_states[:, :head], cache),
+                        lambda: PLEConvRun(module, layer.conv_states[1], spec.backend))
 
     def ngram_forward(input_ids: torch.Tensor, cache=None) -> torch.Tensor:
         if cache is None or input_ids.shape[0] != 1:
