@@ -8,14 +8,16 @@ Legal: conv_verify, conv_decode, gdn_verify (three times each with one layout, s
 calls repeat their bound launches), kda_verify, gdn_decode, gdn_spec_decode_snapshot, an
 align-mode grouped commit of two KV-cache groups with conv compaction (repeated with the same
 tensors, which repeats the bound launch), a bf16 commit, a mixed GDN + KDA commit, a dilated conv
-and its compaction; deferred
+and its compaction, Mamba2's verify, decode and snapshot (with ``z``, ``D`` per channel, a
+``dt_limit``, head sizes that leave partial tiles) and a commit of a Mamba2 and a GDN layer; deferred
 commits (verify and conv verify replaying the pending step, defer, flush), also with adversarial
 pending rows and a plan of out-of-range values.
 Adversarial (``check=False``: shapes are checked, values are not): slots between ``null_slot`` and
 0, past the pool, the int32 extremes; ``query_start_loc`` that decreases, runs past the tokens,
-or is negative (the dilated conv too); ``num_accepted`` negative and huge; request rows out of range; block tables with
-entries between ``null_slot`` and 0 and ``num_computed_tokens`` near 2^31. The script then checks
-that guard slots around the pools were not written.
+or is negative (the dilated conv and Mamba2 too); ``num_accepted`` negative and huge; request
+rows out of range; block tables with entries between ``null_slot`` and 0 and
+``num_computed_tokens`` near 2^31. The script then checks that guard slots around the pools were
+not written.
 """
 import torch
 
@@ -38,6 +40,27 @@ def guarded(pool: torch.Tensor):
 def assert_guards(name: str, full: torch.Tensor) -> None:
     for part in (full[:GUARD], full[-GUARD:]):
         assert bool((part == 123.0).all()), f"{name}: a guard slot was written"
+
+
+def mamba2_calls(R: int, T: int, slots: torch.Tensor, qsl: torch.Tensor, snaps: torch.Tensor, num_slots: int,
+                 null_slot: int = -1, check=None) -> tuple:
+    """Mamba2's verify, decode and snapshot over a guarded bf16 pool of ``num_slots`` slots: 6
+    heads of 24 channels, dstate 40 (partial tiles in both dims), 3 groups, ``z``, ``D`` per
+    channel, ``A`` given, a ``dt_limit``. Returns the guarded pool and the verify's records."""
+    HV, V, K, G = 6, 24, 40, 3
+    gen = torch.Generator(device="cuda").manual_seed(11)
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen)
+    x, B, C, dt, z = rand(R * T, HV, V), rand(R * T, G, K), rand(R * T, G, K), rand(R * T, HV), rand(R * T, HV, V)
+    full, state = guarded(rand(num_slots, HV, V, K).to(torch.bfloat16))
+    records = rs.ReplayRecords.allocate(R, T, G, HV, K, V, device="cuda")
+    kw = dict(state=state, state_indices=slots, query_start_loc=qsl, dt_bias=rand(HV), A=-rand(HV).abs(),
+              D=rand(HV, V), z=z, dt_limit=(0.01, 2.0), null_slot=null_slot, check=check)
+    rs.mamba2_verify(x, B, C, dt, records=records, **kw)
+    rs.mamba2_decode(x, B, C, dt, **kw)
+    rs.mamba2_spec_decode_snapshot(x, B, C, dt, snapshot_slots=snaps, **kw)
+    return full, state, records
 
 
 def legal_calls() -> None:
@@ -89,6 +112,15 @@ def legal_calls() -> None:
     snap_pool = torch.randn(step.num_slots + R * T, HV, V, K, device="cuda")
     rs.gdn_spec_decode_snapshot(w.q, w.k, w.v, state=snap_pool, state_indices=w.state_indices + R * T,
                                 query_start_loc=w.query_start_loc, snapshot_slots=snaps, **w.gates())
+    # Mamba2 (its pool's rows after the snapshot slots), then its commit beside a GDN layer
+    full_m2, m2_state, m2_records = mamba2_calls(R, T, w.state_indices + R * T, w.query_start_loc, snaps,
+                                                 step.num_slots + R * T, check=True)
+    m2_state_before = full_m2.clone()
+    rs.CommitContext([[rs.LayerCache(m2_state, m2_records), rs.LayerCache(snap_pool, w.records)]], max_batch=R).commit(
+        step.num_accepted, w.state_indices + R * T, step.query_start_loc, check=True)
+    torch.cuda.synchronize()
+    assert_guards("mamba2 state", full_m2)
+    assert not torch.equal(full_m2, m2_state_before)
 
 
 def deferred_calls() -> None:
@@ -150,6 +182,7 @@ def adversarial_calls() -> None:
     rs.kda_verify(w.q, w.k, w.v, state=state, state_indices=slots, query_start_loc=qsl, records=krec,
                   a=torch.randn(R * T, HV, K, device="cuda"), b=w.b, A_log=w.A_log,
                   dt_bias=torch.randn(HV, K, device="cuda"), null_slot=NULL, check=False)
+    full_m2, m2_state, m2_records = mamba2_calls(R, T, slots, qsl, snaps, 6, null_slot=NULL, check=False)
     full_conv, conv = guarded(torch.randn(6, 32, 3 + T, device="cuda"))
     x = torch.randn(R * T, 32, device="cuda")
     rs.conv_verify(x, conv, torch.randn(32, 4, device="cuda"), None, state_indices=slots, query_start_loc=qsl,
@@ -171,7 +204,8 @@ def adversarial_calls() -> None:
     ctx = rs.CommitContext([[rs.LayerCache(state, w.records, conv, conv_width=4),
                              rs.LayerCache(state.clone(), rs.ReplayRecords.allocate(R, T, H, HV, K, V, device="cuda"),
                                            dilated, conv_width=4, conv_dilation=2)],
-                            [rs.LayerCache(guarded(w.state[:6].clone())[1], krec)]], max_batch=R, null_slot=NULL)
+                            [rs.LayerCache(guarded(w.state[:6].clone())[1], krec),
+                             rs.LayerCache(m2_state, m2_records)]], max_batch=R, null_slot=NULL)
     for _ in range(2):
         ctx.commit(accepted, slots, qsl, request_indices=requests, block_table=[block_table, None],
                    num_computed_tokens=[computed, None], block_size=[4, None], check=False)
@@ -182,6 +216,7 @@ def adversarial_calls() -> None:
     assert_guards("state", full_state)
     assert_guards("conv_state", full_conv)
     assert_guards("dilated conv_state", full_dilated)
+    assert_guards("mamba2 state", full_m2)
 
 
 def main() -> None:
@@ -190,7 +225,8 @@ def main() -> None:
     adversarial_calls()
     torch.cuda.synchronize()
     print("sanitize case ran: every kernel on legal inputs (the repeated commit through its bound launch, bf16, "
-          "GDN + KDA, deferred commits), then with adversarial indices and value checks off; guard slots intact")
+          "GDN + KDA + Mamba2, deferred commits), then with adversarial indices and value checks off; "
+          "guard slots intact")
 
 
 if __name__ == "__main__":

@@ -94,10 +94,15 @@ class World:
             q = y[:, :s.H * s.K].view(T, s.H, s.K)
             k = y[:, s.H * s.K:2 * s.H * s.K].view(T, s.H, s.K)
             v = y[:, 2 * s.H * s.K:].view(T, s.HV, s.V)
-            fn = rs.kda_verify if L["kind"] == "kda" else rs.gdn_verify
-            o = fn(q, k, v, state=L["state"], state_indices=slots, query_start_loc=qsl, records=L["records"],
-                   a=inputs["a_kda" if L["kind"] == "kda" else "a"][i], b=inputs["b"][i], A_log=L["A_log"],
-                   dt_bias=L["dt_bias"], backend=s.backend, **kw)
+            if L["kind"] == "mamba2":        # q, k, v in the roles of C, B, x; dt the GDN gate input
+                o = rs.mamba2_verify(v, k, q, inputs["a"][i], state=L["state"], state_indices=slots,
+                                     query_start_loc=qsl, records=L["records"], dt_bias=L["dt_bias"],
+                                     A_log=L["A_log"], D=L["A_log"], backend=s.backend, **kw)
+            else:
+                fn = rs.kda_verify if L["kind"] == "kda" else rs.gdn_verify
+                o = fn(q, k, v, state=L["state"], state_indices=slots, query_start_loc=qsl, records=L["records"],
+                       a=inputs["a_kda" if L["kind"] == "kda" else "a"][i], b=inputs["b"][i], A_log=L["A_log"],
+                       dt_bias=L["dt_bias"], backend=s.backend, **kw)
             outs += [y.clone(), o.clone()]
         return outs
 

@@ -18,6 +18,7 @@ from helpers import backends, device_of
 F32, BF16 = torch.float32, torch.bfloat16
 TINY_GDN = M.Geometry("tiny-gdn", "gdn", layers=2, H=2, HV=4, K=16, V=16)
 TINY_KDA = M.Geometry("tiny-kda", "kda", layers=2, H=2, HV=2, K=16, V=16)
+TINY_MAMBA2 = M.Geometry("tiny-mamba2", "mamba2", layers=2, H=2, HV=4, K=16, V=8)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -37,7 +38,7 @@ def test_geometries_and_their_shards():
 
 def test_grid():
     full = M.grid()
-    assert len(full) == 3 * 3 * 2 * 3 * 6
+    assert len(full) == len(M.GEOMETRIES) * 3 * 2 * 3 * 6
     assert {(c.N, c.T) for c in full} == {(N, T) for N in M.NS for T in M.TS}
     quick = M.grid(quick=True)
     assert 0 < len(quick) <= 10 and {c.state_dtype for c in quick} == {F32, BF16}
@@ -73,7 +74,7 @@ def test_traffic():
 
 def test_memory_rows():
     rows = M.memory_rows(M.grid())
-    assert len(rows) == 3 * 3 * 2 * 3
+    assert len(rows) == len(M.GEOMETRIES) * 3 * 2 * 3
     r = next(r for r in rows if (r["geometry"], r["tp"], r["state"], r["T"]) == (M.QWEN3_NEXT.name, 1, "fp32", 4))
     assert r["recoverssm_max_requests"] == M.CONCURRENCY_BUDGET_BYTES // r["recoverssm_bytes_per_request"]
     assert r["snapshot_max_requests"] == M.CONCURRENCY_BUDGET_BYTES // r["snapshot_bytes_per_request"]
@@ -97,13 +98,14 @@ def _agree(geometry, dtype, backend, N=3, T=3):
     return out
 
 
-@pytest.mark.parametrize("geometry", [TINY_GDN, TINY_KDA], ids=["gdn", "kda"])
+@pytest.mark.parametrize("geometry", [TINY_GDN, TINY_KDA, TINY_MAMBA2], ids=["gdn", "kda", "mamba2"])
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
 def test_methods_agree_cpu_ref(geometry, dtype):
     _agree(geometry, dtype, "cpu_ref")
 
 
-@pytest.mark.parametrize("geometry,dtype", [(TINY_GDN, F32), (TINY_KDA, BF16)], ids=["gdn-fp32", "kda-bf16"])
+@pytest.mark.parametrize("geometry,dtype", [(TINY_GDN, F32), (TINY_KDA, BF16), (TINY_MAMBA2, BF16)],
+                         ids=["gdn-fp32", "kda-bf16", "mamba2-bf16"])
 def test_methods_agree_triton(geometry, dtype):
     if "cuda" not in backends():
         pytest.skip("needs TRITON_INTERPRET=1 or a CUDA GPU")

@@ -20,6 +20,9 @@ SETUPS = {
     "align, 2 groups": Setup(align=True, block_size=2, groups=2, kinds=("gdn", "kda")),
     "align bf16, GQA": Setup(align=True, block_size=2, state_dtype=torch.bfloat16, H=1, HV=4, kinds=("kda", "gdn")),
     "align, dilated conv": Setup(align=True, block_size=2, kinds=("gdn", "kda"), width=4, dilation=3),
+    "mamba2 beside gdn and kda": Setup(kinds=("mamba2", "gdn", "kda")),
+    "align bf16, mamba2": Setup(align=True, block_size=2, state_dtype=torch.bfloat16, H=1, HV=4,
+                                kinds=("mamba2", "kda")),
 }
 
 

@@ -274,7 +274,8 @@ def test_check_covers_deferred_commits_on_cpu_ref(capsys):
     rc = cli.main(["check", "--backend", "cpu_ref", "--device", "cpu", "--json"])
     report = json.loads(capsys.readouterr().out)
     cases = _deferred_items(report)
-    assert rc == 0 and len(cases) == 2 and any("align bs" in c for c in cases)
+    assert rc == 0 and len(cases) == 4 and any("align bs" in c for c in cases)
+    assert any("mamba2" in c and "gdn" in c and "kda" in c for c in cases)     # the families share a context
     for case, items in cases.items():
         assert {i["name"] for i in items if i["status"] == "pass"} == DEFERRED_ITEMS, items
         note = next(i["note"] for i in items if i["name"] == "deferred outputs == own eager (every step)")
@@ -319,6 +320,50 @@ def test_check_catches_a_replay_that_is_not_bit_exact(capsys):
     assert all("own eager" in name for name in names)      # within tolerance of cpu_ref all the same
 
 
+def test_check_covers_mamba2(capsys):
+    """Mamba2 in every kind of recurrent case (one layer, align mode, deferred sequences mixed with
+    GDN and KDA layers), with its optional inputs and bf16 states; every item passes."""
+    rc = cli.main(["check", "--backend", "cpu_ref", "--device", "cpu", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    items = [i for i in report["items"] if "mamba2" in i["case"]]
+    assert rc == 0 and all(i["status"] == "pass" for i in items), items
+    names = {i["name"] for i in items}
+    assert {"mamba2_verify out vs cpu_ref", "mamba2_verify records vs cpu_ref", "mamba2_decode state vs cpu_ref",
+            "snapshot last state == own decode", "commit == own one-token decode steps",
+            "commit == own decode (final+boundary)", "deferred states == own eager (after flush)"} <= names
+    cases = {i["case"] for i in items}
+    assert any("D/channel z dt[" in c and c.startswith("mamba2") for c in cases)
+    assert any("state bf16" in c and c.startswith("mamba2") for c in cases)
+    assert any(c.startswith("align") for c in cases) and any(c.startswith("deferred") for c in cases)
+
+
+class _NoMamba2(CpuRefBackend):
+    """cpu_ref without the Mamba2 recurrence."""
+
+    name = "cpu_ref_no_mamba2"
+    capabilities = CpuRefBackend.capabilities - {"mamba2"}
+
+
+class _NoMamba2Plugin:
+    @hookimpl
+    def recoverssm_backends(self):
+        return [_NoMamba2()]
+
+
+def test_check_skips_the_mamba2_cases_of_a_backend_without_it(capsys):
+    """Exactly the cases with a Mamba2 layer are skipped (each as one item), the rest pass."""
+    registry().register(_NoMamba2Plugin(), name="test-no-mamba2")
+    try:
+        rc = cli.main(["check", "--backend", _NoMamba2.name, "--device", "cpu", "--json"])
+    finally:
+        registry().unregister("test-no-mamba2")
+    report = json.loads(capsys.readouterr().out)
+    skipped = [i for i in report["items"] if i["status"] == "skip"]
+    assert rc == 0 and skipped and all("mamba2" in i["note"] for i in skipped)
+    assert {i["case"] for i in skipped} == {i["case"] for i in report["items"] if "mamba2" in i["case"]}
+    assert len(skipped) == len({i["case"] for i in skipped})
+
+
 def _cuda_backend_under_interpreter() -> bool:
     if os.environ.get("TRITON_INTERPRET") != "1":
         return False
@@ -338,11 +383,12 @@ def test_check_cuda_backend_under_the_interpreter(capsys):
     bad = [i for i in report["items"] if i["status"] not in ("pass", "skip")]
     assert rc == 0 and report["passed"], bad
     passed = {i["name"] for i in report["items"] if i["status"] == "pass"}
-    assert {"kda_verify out vs cpu_ref", "kda_decode state vs cpu_ref", "conv_decode out vs cpu_ref",
+    assert {"kda_verify out vs cpu_ref", "kda_decode state vs cpu_ref", "mamba2_verify out vs cpu_ref",
+            "mamba2_decode state vs cpu_ref", "conv_decode out vs cpu_ref",
             "conv_decode history == own conv_verify window"} <= passed
     # the deferred check: the kernels deferring against their own eager path, and against cpu_ref
     cases = _deferred_items(report)
-    assert len(cases) == 2 and all({i["name"] for i in items if i["status"] == "pass"} == DEFERRED_ITEMS
+    assert len(cases) == 4 and all({i["name"] for i in items if i["status"] == "pass"} == DEFERRED_ITEMS
                                    for items in cases.values()), cases
 
 

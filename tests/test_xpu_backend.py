@@ -110,11 +110,13 @@ def test_xpu_launch_path_matches_reference(monkeypatch):
 def test_xpu_deferred_steps_give_the_eager_bits(monkeypatch):
     """Deferred commits through the xpu backend (its uint64-in-int64 group and layer tables read by
     the defer and flush launches), on CPU tensors under the interpreter: every step's outputs and,
-    after the final flush, every state equal the same backend's eager commits."""
+    after the final flush, every state equal the same backend's eager commits (GDN, KDA and
+    Mamba2 layers)."""
     from deferred_sim import Engine, Setup
 
     monkeypatch.setenv("RECOVERSSM_XPU_INTERPRET", "1")
-    engine = Engine(Setup(align=True, block_size=2, groups=2, kinds=("gdn", "kda"), backend="xpu"), seed=7)
+    engine = Engine(Setup(align=True, block_size=2, groups=2, kinds=("gdn", "kda", "mamba2"), backend="xpu"),
+                    seed=7)
     for i in range(5):
         engine.step(flush_all=i == 2)
     engine.finish()

@@ -8,7 +8,7 @@ and writes ``bench.json`` and ``bench.png``. The ``model`` suite (``bench/model.
 speculative decode step of a whole model's recurrent layers against the snapshot method; it adds
 its tables to the printout, a ``"model"`` key to ``bench.json`` and ``bench_model.png``.
 
-    recoverssm bench [--out DIR] [--quick] [--no-fla] [--only commit,verify,kda,rounding,graph,host,memory,model]
+    recoverssm bench [--out DIR] [--quick] [--no-fla] [--only commit,verify,kda,mamba2,rounding,graph,host,memory,model]
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer shapes (a smoke run)")
     ap.add_argument("--no-fla", action="store_true", help="skip flash-linear-attention even if installed")
     ap.add_argument("--only", default="",
-                    help="comma-separated suites: commit,verify,kda,rounding,graph,host,memory,model")
+                    help="comma-separated suites: commit,verify,kda,mamba2,rounding,graph,host,memory,model")
     ap.add_argument("--geometry", default="", help="comma-separated model geometries of the model suite (default: all)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

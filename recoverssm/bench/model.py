@@ -70,9 +70,10 @@ LAUNCH_US = 3.0                      # device time of one launch, for the iterat
 class Geometry:
     """A model's recurrent layers, whole or one tensor-parallel shard of them.
 
-    ``kind``: ``"gdn"`` (scalar decay per head) or ``"kda"`` (a decay per K channel); ``H`` q/k
-    heads, ``HV`` value heads, head dims ``K`` and ``V``; the conv runs over q, k and v channels:
-    ``conv_dim = 2 * H * K + HV * V`` of width ``conv_width``.
+    ``kind``: ``"gdn"`` (scalar decay per head), ``"kda"`` (a decay per K channel) or ``"mamba2"``
+    (``H`` = ngroups, ``HV`` = nheads, ``K`` = dstate, ``V`` = headdim); ``H`` q/k heads, ``HV``
+    value heads, head dims ``K`` and ``V``; the conv runs over q, k and v channels (Mamba2: x, B
+    and C): ``conv_dim = 2 * H * K + HV * V`` of width ``conv_width``.
     """
 
     name: str
@@ -100,7 +101,9 @@ class Geometry:
 QWEN3_NEXT = Geometry("qwen3-next-80b-a3b", "gdn", layers=36, H=16, HV=32)
 LARGE_HEAD = Geometry("gdn-hv64-45l", "gdn", layers=45, H=16, HV=64)
 KIMI_LINEAR = Geometry("kimi-linear-like", "kda", layers=27, H=32, HV=32)
-GEOMETRIES = (QWEN3_NEXT, LARGE_HEAD, KIMI_LINEAR)
+#: Nemotron-H-8B's 24 Mamba2 layers: 128 heads of 64 channels, dstate 128, 8 groups
+NEMOTRON_H = Geometry("nemotron-h-8b", "mamba2", layers=24, H=8, HV=128, K=128, V=64)
+GEOMETRIES = (QWEN3_NEXT, LARGE_HEAD, KIMI_LINEAR, NEMOTRON_H)
 TPS = (1, 2, 4)
 STATE_DTYPES = (torch.float32, torch.bfloat16)
 NS = (1, 8, 32, 64, 128, 256)
@@ -297,10 +300,26 @@ def make_activations(case: Case, device, seed: int = 0) -> Activations:
 
 def split_qkv(y: torch.Tensor, g: Geometry) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``q``, ``k`` ``[N*T, H, K]`` and ``v`` ``[N*T, HV, V]``: views into the conv output ``y``
-    ``[N*T, conv_dim]`` (channels q | k | v), read in place by the recurrence."""
-    hk = g.H * g.K
+    ``[N*T, conv_dim]`` (channels q | k | v; Mamba2's x | B | C, returned as C, B, x), read in
+    place by the recurrence."""
+    hk, hv = g.H * g.K, g.HV * g.V
+    if g.kind == "mamba2":
+        return (y[:, hv + hk:].unflatten(1, (g.H, g.K)), y[:, hv:hv + hk].unflatten(1, (g.H, g.K)),
+                y[:, :hv].unflatten(1, (g.HV, g.V)))
     return (y[:, :hk].unflatten(1, (g.H, g.K)), y[:, hk:2 * hk].unflatten(1, (g.H, g.K)),
             y[:, 2 * hk:].unflatten(1, (g.HV, g.V)))
+
+
+def recurrence_call(g: Geometry, method: str, q, k, v, gates: dict, **common) -> tuple[Callable, dict]:
+    """The layer's verify (``method`` RecoverSSM or deferred) or snapshot op and its arguments
+    (``q``, ``k``, ``v`` in the roles of Mamba2's ``C``, ``B``, ``x``; its ``dt`` is GDN's gate
+    input ``a``, its ``D`` the layer's ``dt_bias`` values: any ``[HV]`` fp32 values cost the same)."""
+    mode = "spec_decode_snapshot" if method == "snapshot" else "verify"
+    fn = getattr(rs, f"{g.kind}_{mode}")
+    if g.kind == "mamba2":
+        return fn, dict(x=v, B=k, C=q, dt=gates["a"], dt_bias=gates["dt_bias"], A_log=gates["A_log"],
+                        D=gates["dt_bias"], **common)
+    return fn, dict(q=q, k=k, v=v, **gates, **common)
 
 
 @dataclass
@@ -390,8 +409,7 @@ def make_step(case: Case, method: str, acts: Activations, pools: Pools, backend:
     deferred one replays, in every row, the step before of the same row)."""
     g = case.shard
     q, k, v = split_qkv(acts.y, g)
-    common = dict(q=q, k=k, v=v, state_indices=pools.source, query_start_loc=acts.query_start_loc, out=acts.o,
-                  backend=backend)
+    common = dict(state_indices=pools.source, query_start_loc=acts.query_start_loc, out=acts.o, backend=backend)
     ctx, pending = None, {}
     if method != "snapshot":
         caches = [rs.LayerCache(pools.state[i], pools.records[i], conv_state=pools.conv[i], conv_width=g.conv_width)
@@ -404,13 +422,10 @@ def make_step(case: Case, method: str, acts: Activations, pools: Pools, backend:
     for layer in range(g.layers):
         fn, conv = _conv_call(acts, pools, layer, backend)
         calls.append((fn, dict(conv, **pending)))
-        state = dict(state=pools.state[layer], **common, **acts.gates(layer))
-        if method == "snapshot":
-            snapshot = rs.gdn_spec_decode_snapshot if g.kind == "gdn" else rs.kda_spec_decode_snapshot
-            calls.append((snapshot, dict(snapshot_slots=pools.snapshot_slots, **state)))
-        else:
-            verify = rs.gdn_verify if g.kind == "gdn" else rs.kda_verify
-            calls.append((verify, dict(records=pools.records[layer], **state, **pending)))
+        extra = (dict(snapshot_slots=pools.snapshot_slots) if method == "snapshot"
+                 else dict(records=pools.records[layer], **pending))
+        calls.append(recurrence_call(g, method, q, k, v, acts.gates(layer), state=pools.state[layer], **common,
+                                     **extra))
     if ctx is not None:
         end = ctx.defer if method == "deferred" else ctx.commit
         calls.append((end, dict(num_accepted=acts.num_accepted, state_indices=pools.source,

@@ -1,5 +1,5 @@
-"""The benchmark cases of ``recoverssm bench``: commit, verify (GDN), KDA, CUDA graphs, host time,
-memory, the cost of ``round_each_token`` (``rounding.py``), and the model-level step (``model.py``)."""
+"""The benchmark cases of ``recoverssm bench``: commit, verify (GDN), KDA, Mamba2 (``mamba2.py``), CUDA graphs,
+host time, memory, the cost of ``round_each_token`` (``rounding.py``), and the model-level step (``model.py``)."""
 from __future__ import annotations
 
 import datetime
@@ -14,7 +14,7 @@ from recoverssm.console import ProgressBar
 from recoverssm.console import format_table
 
 from ..core.repeats import REPEATS
-from . import kda, model, rounding
+from . import kda, mamba2, model, rounding
 from .problems import DeferredLayer, align_step, commit_context, per_group_indices, spread_accepted, window
 from .rows import peer_row, row
 from .timing import CopyCeiling, copies_for, host_times, kernel_launches, median_us
@@ -244,8 +244,9 @@ def run_all(quick: bool = False, fla: bool = True, only: list[str] = (), geometr
     n_model = len(model.grid(quick, geometries)) if want("model") else 0
     n_kda = len(kda.grid(quick)) if want("kda") else 0
     n_rounding = len(rounding.grid(quick)) if want("rounding") else 0
-    cases = ((1 if quick else 4) * want("commit") + n_verify + n_kda + n_rounding + 2 * want("graph") + want("host")
-             + n_model)
+    n_mamba2 = len(mamba2.grid(quick)) if want("mamba2") else 0
+    cases = ((1 if quick else 4) * want("commit") + n_verify + n_kda + n_mamba2 + n_rounding + 2 * want("graph")
+             + want("host") + n_model)
     progress = ProgressBar(cases, "bench")
     props = torch.cuda.get_device_properties(0)
     result = dict(date=datetime.date.today().isoformat(), version=package_version(), commit=source_commit(),
@@ -258,6 +259,8 @@ def run_all(quick: bool = False, fla: bool = True, only: list[str] = (), geometr
             result["rows"] += bench_verify(ceiling, quick, fla, progress)
         if want("kda"):
             result["rows"] += kda.bench_kda(ceiling, quick, fla, progress)
+        if want("mamba2"):
+            result["rows"] += mamba2.bench_mamba2(ceiling, quick, progress)
         if want("rounding"):
             result["rows"] += rounding.bench_rounding(quick, progress)
         if want("graph"):
@@ -275,7 +278,8 @@ def run_all(quick: bool = False, fla: bool = True, only: list[str] = (), geometr
 NOTE_KEYS = ("cpu_us", "launches", "verify_speedup", "speedup_vs_snapshot", "speedup_vs_step", "verify_us",
              "verify_vs_plain", "commit_us", "snapshot_us", "ratio_to_floor", "floor_us", "ratio",
              "records_pct_of_state", "deferred_step_us", "verify_off_us", "commit_off_us", "snapshot_off_us",
-             "deferred_step_off_us", "verify_cost", "commit_cost", "snapshot_cost", "deferred_step_cost")
+             "deferred_step_off_us", "verify_cost", "commit_cost", "snapshot_cost", "deferred_step_cost",
+             "decode_us", "decode_speedup")
 
 
 def _cells(r: dict) -> list[object]:

@@ -1,5 +1,6 @@
-"""Check of an align-mode grouped commit: conv + GDN or KDA layers in two KV-cache groups, verified
-and committed as an engine runs them, against cpu_ref and against the backend's own decode."""
+"""Check of an align-mode grouped commit: conv + GDN, KDA or Mamba2 layers in two KV-cache groups,
+verified and committed as an engine runs them, against cpu_ref and against the backend's own
+decode."""
 from __future__ import annotations
 
 import random
@@ -9,7 +10,7 @@ import torch
 
 import recoverssm as rs
 
-from .problems import AlignCase, align_layers, i32, prefix, query_start_loc, random_align_step
+from .problems import AlignCase, align_layers, heads_of, i32, prefix, query_start_loc, random_align_step
 from .recurrence import OPS
 from .report import REF, TOL, Report
 
@@ -43,17 +44,14 @@ class AlignRun:
 
     def verify(self) -> None:
         c = self.case
-        hk, conv_dim = c.H * c.K, c.conv_dim
-        b0 = conv_dim + c.gate_width
+        conv_dim = c.conv_dim
         for layer, w in enumerate(self.weights):
             g = self.group(layer)
             proj = w["proj"]
             y = rs.conv_verify(proj[:, :conv_dim], self.conv[layer], w["conv_w"], w["conv_b"],
                                state_indices=self.si[g], query_start_loc=self.qsl, backend=self.backend)
-            tok = {"q": y[:, :hk].unflatten(-1, (c.H, c.K)), "k": y[:, hk:2 * hk].unflatten(-1, (c.H, c.K)),
-                   "v": y[:, 2 * hk:].unflatten(-1, (c.HV, c.V)),
-                   "a": proj[:, conv_dim:b0].unflatten(-1, c.gate_shape), "b": proj[:, b0:b0 + c.HV]}
-            self.ops["verify"](**tok, A_log=w["A_log"], dt_bias=w["dt_bias"], state=self.state[layer],
+            tok = c.split_tokens(y, proj[:, conv_dim:])
+            self.ops["verify"](**tok, **heads_of(w), state=self.state[layer],
                                state_indices=self.si[g], query_start_loc=self.qsl, records=self.records[layer],
                                backend=self.backend, **c.op_kwargs())
             self.tokens.append(tok)
@@ -82,7 +80,7 @@ class AlignRun:
         w = self.weights[layer]
         tok, qsl = prefix(self.tokens[layer], self.qsl_host, counts)
         state = state_before.to(self.device).clone()
-        self.ops["decode"](**tok, A_log=w["A_log"], dt_bias=w["dt_bias"], state=state,
+        self.ops["decode"](**tok, **heads_of(w), state=state,
                            state_indices=self.si[self.group(layer)], query_start_loc=i32(qsl, self.device),
                            backend=self.backend, **self.case.op_kwargs())
         return state

@@ -1,8 +1,8 @@
 """Check of deferred commits (``CommitContext(deferred=True)``): a random step sequence
 (:mod:`.sequence`) run three times from the same tensors: on the backend with a deferring context
 (each step's commit replayed by the next step's ``conv_verify`` and ``gdn_verify`` /
-``kda_verify``, rows that do not continue flushed, everything flushed at the end), on the backend
-with an eager one, and on cpu_ref with an eager one.
+``kda_verify`` / ``mamba2_verify``, rows that do not continue flushed, everything flushed at the
+end), on the backend with an eager one, and on cpu_ref with an eager one.
 
 * bit-exact against the backend's own eager run: every step's conv and recurrence outputs, and
   after the final flush every state and conv state (the library's promise: deferring changes
@@ -14,7 +14,6 @@ with an eager one, and on cpu_ref with an eager one.
 """
 from __future__ import annotations
 
-import math
 import random
 
 import torch
@@ -22,7 +21,7 @@ import torch
 import recoverssm as rs
 from recoverssm.core.types import PLAN_FIELDS
 
-from .problems import DeferredCase, i32, query_start_loc
+from .problems import DeferredCase, heads_of, i32, query_start_loc
 from .recurrence import OPS
 from .report import REF, TOL, Report
 from .sequence import Step, StepSequence, draw_sequence
@@ -42,9 +41,8 @@ class World:
         self.layers = [{k: v.to(device).clone() if isinstance(v, torch.Tensor) else v for k, v in layer.items()}
                        for layer in seq.layers]
         for layer in self.layers:
-            layer["records"] = rs.ReplayRecords.allocate(
-                c.max_batch, c.T, c.H, c.HV, c.K, c.V, device=device, vector_decay=layer["kind"] == "kda",
-                buffers=2 if deferred else 1)
+            layer["records"] = c.layer(layer["kind"]).allocate_records(c.max_batch, c.T, device,
+                                                                       buffers=2 if deferred else 1)
         groups = [[rs.LayerCache(L["state"], L["records"], L["conv"], conv_width=c.conv_width)
                    for L in self.layers if L["group"] == g] for g in range(c.groups)]
         self.ctx = rs.CommitContext(groups, max_batch=c.max_batch, backend=backend, deferred=deferred)
@@ -80,19 +78,14 @@ class World:
 
     def _verify(self, L: dict, proj: torch.Tensor, slots: torch.Tensor, qsl: torch.Tensor,
                 rows: torch.Tensor) -> None:
-        c = self.case
+        c, spec = self.case, self.case.layer(L["kind"])
         pending = dict(pending=self.ctx.pending[L["group"]], pending_rows=rows) if self.deferred else {}
-        hk, cd = c.H * c.K, c.conv_dim
-        b0 = cd + math.prod(c.gate_shape(L["kind"]))
+        cd = c.conv_dim
         y = rs.conv_verify(proj[:, :cd], L["conv"], L["conv_w"], L["conv_b"], state_indices=slots,
                            query_start_loc=qsl, backend=self.backend, **pending)
-        kw = {} if L["kind"] == "gdn" else {"lower_bound": c.lower_bound}
         o = OPS[L["kind"]]["verify"](
-            y[:, :hk].unflatten(-1, (c.H, c.K)), y[:, hk:2 * hk].unflatten(-1, (c.H, c.K)),
-            y[:, 2 * hk:].unflatten(-1, (c.HV, c.V)), a=proj[:, cd:b0].unflatten(-1, c.gate_shape(L["kind"])),
-            b=proj[:, b0:b0 + c.HV], A_log=L["A_log"], dt_bias=L["dt_bias"], state=L["state"],
-            state_indices=slots, query_start_loc=qsl, records=L["records"], backend=self.backend,
-            **kw, **pending)
+            **spec.split_tokens(y, proj[:, cd:]), **heads_of(L), state=L["state"], state_indices=slots,
+            query_start_loc=qsl, records=L["records"], backend=self.backend, **spec.op_kwargs(), **pending)
         self.outputs += [y, o]
 
     def _count(self, flushed: list[int], replayed: list[int]) -> None:

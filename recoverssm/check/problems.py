@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import recoverssm as rs
+from recoverssm.core.types import FAMILIES
 
 from .report import dtype_name
 
@@ -51,12 +52,51 @@ class _Rows:
 
 
 # ------------------------------------------------------------------------------------------------
-# the recurrences (GDN, KDA): verify, decode, snapshot, non-align commit
+# the recurrences (GDN, KDA, Mamba2): verify, decode, snapshot, non-align commit
 # ------------------------------------------------------------------------------------------------
+#: a layer's per-head parameters, as the ops name them (the rest of a layer's weights are conv's)
+HEAD_PARAMS = ("A_log", "A", "dt_bias", "D")
+
+
+def heads_of(params: dict) -> dict:
+    """The per-head parameters among a layer's weights ``params`` (:data:`HEAD_PARAMS`)."""
+    return {name: value for name, value in params.items() if name in HEAD_PARAMS}
+
+
 @dataclass(frozen=True)
-class _Heads(_Rows):
-    """The heads of one recurrent layer of ``kind`` ``"gdn"`` (a decay per value head) or ``"kda"``
-    (a decay per K channel); ``lower_bound``: KDA's bounded gate."""
+class Mamba2Options:
+    """What a Mamba2 layer may add to its ops' inputs: ``D`` (the skip) per head (``"head"``),
+    per channel (``"channel"``) or none (None); the output gate ``z``; ``dt_limit``, the clamp
+    of ``dt``; ``A``: the decay rate given as ``A = -exp(A_log)`` instead of ``A_log``."""
+
+    D: Optional[str] = "head"
+    z: bool = False
+    dt_limit: Optional[tuple[Optional[float], Optional[float]]] = None
+    A: bool = False
+
+    def __post_init__(self):
+        if self.D not in (None, "head", "channel"):
+            raise ValueError(f"Mamba2Options: D must be None, 'head' or 'channel', got {self.D!r}")
+
+    @property
+    def label(self) -> str:
+        parts = [f"D/{self.D}" if self.D else "no D"]
+        if self.z:
+            parts.append("z")
+        if self.dt_limit is not None:
+            parts.append("dt[" + ",".join("-" if x is None else f"{x:g}" for x in self.dt_limit) + "]")
+        if self.A:
+            parts.append("A")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One recurrent layer's family and shapes: ``kind`` ``"gdn"`` (a decay per value head),
+    ``"kda"`` (a decay per K channel) or ``"mamba2"`` (a decay per head, no delta rule). ``H``
+    q/k heads (Mamba2: ``ngroups`` of ``B`` and ``C``), ``HV`` value heads (``nheads``), ``K``
+    (``dstate``), ``V`` (``headdim``); ``lower_bound``: KDA's bounded gate; ``mamba2``: a Mamba2
+    layer's optional inputs. Every fact that depends on the family is one method here."""
 
     kind: str = "gdn"
     H: int = 2
@@ -64,11 +104,13 @@ class _Heads(_Rows):
     K: int = 16
     V: int = 16
     lower_bound: Optional[float] = None
+    mamba2: Mamba2Options = Mamba2Options()
 
     @property
     def gate_shape(self) -> tuple[int, ...]:
-        """One token's gate input ``a`` and gate ``g`` (and ``dt_bias``): ``[HV]`` or ``[HV, K]``."""
-        return (self.HV,) if self.kind == "gdn" else (self.HV, self.K)
+        """One token's decay input (``a``, or Mamba2's ``dt``) and gate ``g`` (and ``dt_bias``):
+        ``[HV]`` or, with a vector decay, ``[HV, K]``."""
+        return (self.HV, self.K) if self.vector_decay else (self.HV,)
 
     @property
     def gate_width(self) -> int:
@@ -76,30 +118,95 @@ class _Heads(_Rows):
 
     @property
     def vector_decay(self) -> bool:
-        return self.kind == "kda"
+        return FAMILIES[self.kind].vector_decay
 
     def capabilities(self) -> tuple[str, ...]:
         """What a backend must declare to run this layer's recurrence and commit it."""
         return (self.kind, "commit") + (("vector_decay",) if self.vector_decay else ())
 
     def op_kwargs(self) -> dict:
-        """The recurrent ops' keyword arguments of this kind beyond the tensors (KDA's ``lower_bound``)."""
-        return {} if self.kind == "gdn" else {"lower_bound": self.lower_bound}
+        """The recurrent ops' keyword arguments of this kind beyond the tensors (KDA's
+        ``lower_bound``, Mamba2's ``dt_limit``)."""
+        if self.kind == "kda":
+            return {"lower_bound": self.lower_bound}
+        if self.kind == "mamba2":
+            return {"dt_limit": self.mamba2.dt_limit}
+        return {}
 
     def heads_label(self) -> str:
         lb = "" if self.lower_bound is None else f" lb{self.lower_bound:g}"
-        return f"{self.kind}{lb} H{self.H}/{self.HV} K{self.K} V{self.V}"
+        opts = f" {self.mamba2.label}" if self.kind == "mamba2" else ""
+        return f"{self.kind}{lb}{opts} H{self.H}/{self.HV} K{self.K} V{self.V}"
+
+    def allocate_records(self, B: int, T: int, device, buffers: int = 1) -> rs.ReplayRecords:
+        """A records workspace for ``B`` rows of ``T`` tokens of this layer."""
+        return rs.ReplayRecords.allocate(B, T, self.H, self.HV, self.K, self.V, device=device,
+                                         vector_decay=self.vector_decay, buffers=buffers)
+
+    @property
+    def qkv_width(self) -> int:
+        """Channels of the three token inputs (conv's output): q, k ``[H, K]`` and v ``[HV, V]``."""
+        return 2 * self.H * self.K + self.HV * self.V
+
+    def token_gates(self) -> dict[str, tuple[int, ...]]:
+        """The per-token inputs beyond q, k, v, by name, with one token's shape, in the order of
+        their columns in a fused in-projection: GDN, KDA: ``a`` and ``b``; Mamba2: ``dt`` and,
+        where the layer gates its output, ``z``."""
+        if self.kind == "mamba2":
+            return {"dt": self.gate_shape, **({"z": (self.HV, self.V)} if self.mamba2.z else {})}
+        return {"a": self.gate_shape, "b": (self.HV,)}
+
+    @property
+    def token_gates_width(self) -> int:
+        return sum(math.prod(shape) for shape in self.token_gates().values())
+
+    def split_tokens(self, qkv: torch.Tensor, gates: Optional[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The ops' per-token inputs by name, as views: ``qkv`` holds q, k, v in that order (Mamba2
+        takes them in the roles of ``C``, ``B``, ``x``, as the family names them), ``gates`` the
+        columns of :meth:`token_gates` (None: none taken; more columns may follow)."""
+        hk = self.H * self.K
+        qkv_views = (qkv[:, :hk].unflatten(-1, (self.H, self.K)), qkv[:, hk:2 * hk].unflatten(-1, (self.H, self.K)),
+                     qkv[:, 2 * hk:self.qkv_width].unflatten(-1, (self.HV, self.V)))
+        tok = dict(zip(FAMILIES[self.kind].tokens, qkv_views))
+        col = 0
+        for name, shape in (self.token_gates() if gates is not None else {}).items():
+            n = math.prod(shape)
+            tok[name] = gates[:, col:col + n].unflatten(-1, shape)
+            col += n
+        return tok
+
+    def draw_heads(self, gen: torch.Generator) -> dict[str, torch.Tensor]:
+        """The per-head parameters (:data:`HEAD_PARAMS`), on CPU: ``A_log`` (decay rates 0.5 to 8)
+        and ``dt_bias``; a Mamba2 layer also its ``D`` and, by its options, ``A`` in place of
+        ``A_log`` (the same values)."""
+        heads = {"A_log": torch.log(0.5 + 7.5 * torch.rand(self.HV, generator=gen)),
+                 "dt_bias": torch.randn(*self.gate_shape, generator=gen) * 0.5}
+        if self.kind != "mamba2":
+            return heads
+        if self.mamba2.D is not None:       # drawn after the others: GDN and KDA draw what they drew before
+            shape = (self.HV,) if self.mamba2.D == "head" else (self.HV, self.V)
+            heads["D"] = torch.randn(*shape, generator=gen)
+        if self.mamba2.A:
+            heads["A"] = -torch.exp(heads.pop("A_log"))
+        return heads
+
+
+@dataclass(frozen=True)
+class _Heads(_Layer, _Rows):
+    """A batch of windows (``lengths``) of one recurrent layer (fields: ``lengths``, then those of
+    :class:`_Layer`)."""
 
     def records(self, device) -> rs.ReplayRecords:
         """A records workspace for ``B`` rows of ``T`` tokens of this layer."""
-        return rs.ReplayRecords.allocate(self.B, self.T, self.H, self.HV, self.K, self.V, device=device,
-                                         vector_decay=self.vector_decay)
+        return self.allocate_records(self.B, self.T, device)
 
 
 @dataclass(frozen=True)
 class RecurrenceCase(_Heads):
-    """A batch of windows for one GDN or KDA layer. ``lengths[r]``: tokens of row ``r`` (0 allowed);
-    ``pad_rows``: rows whose ``state_indices`` is the null slot."""
+    """A batch of windows for one GDN, KDA or Mamba2 layer. ``lengths[r]``: tokens of row ``r`` (0
+    allowed); ``pad_rows``: rows whose ``state_indices`` is the null slot; ``gates``: ``"raw"``
+    or ``"pre"`` (precomputed ``g``, ``beta``), ``l2norm``: of q and k (GDN and KDA: Mamba2 has
+    neither option)."""
 
     pad_rows: tuple[int, ...] = ()
     state_dtype: torch.dtype = torch.float32
@@ -107,10 +214,24 @@ class RecurrenceCase(_Heads):
     gates: str = "raw"
     l2norm: bool = True
 
+    def __post_init__(self):
+        if not self.has_qk_options and (self.gates != "raw" or not self.l2norm):
+            raise ValueError(f"RecurrenceCase: {self.kind} takes raw gates only, and no use_qk_l2norm")
+
+    @property
+    def has_qk_options(self) -> bool:
+        """Whether the family's ops take ``scale`` and ``use_qk_l2norm`` (and precomputed gates)."""
+        return bool(FAMILIES[self.kind].options)
+
+    def op_kwargs(self) -> dict:
+        qk = {"use_qk_l2norm": self.l2norm} if self.has_qk_options else {}
+        return {**qk, **super().op_kwargs()}
+
     @property
     def label(self) -> str:
-        extra = [f"state {dtype_name(self.state_dtype)}", f"act {dtype_name(self.act_dtype)}",
-                 f"{self.gates} gates"]
+        extra = [f"state {dtype_name(self.state_dtype)}", f"act {dtype_name(self.act_dtype)}"]
+        if self.has_qk_options:              # Mamba2 has one gate form
+            extra.append(f"{self.gates} gates")
         if not self.l2norm:
             extra.append("no l2norm")
         if self.pad_rows:
@@ -120,19 +241,19 @@ class RecurrenceCase(_Heads):
 
 
 class RecurrenceProblem:
-    """Inputs of a :class:`RecurrenceCase`. q/k/v/a/b are strided views of one fused buffer (as an
-    engine's in-projection gives them), re-sliced after the buffer is copied to a device."""
+    """Inputs of a :class:`RecurrenceCase`. The token inputs (q/k/v/a/b, Mamba2's C/B/x/dt/z) are
+    strided views of one fused buffer (as an engine's in-projection gives them), re-sliced after
+    the buffer is copied to a device."""
 
     def __init__(self, case: RecurrenceCase, gen: torch.Generator):
         c = self.case = case
         self.T_total = sum(c.lengths)
-        self.width = 2 * c.H * c.K + c.HV * c.V + c.gate_width + c.HV + 3      # +3: odd row stride
+        self.width = c.qkv_width + c.token_gates_width + 3      # +3: odd row stride
         fused = torch.randn(self.T_total, self.width, generator=gen)
         if not c.l2norm:   # keep the raw delta rule stable: |k|^2 * beta < 2
             fused[:, c.H * c.K:2 * c.H * c.K] *= 0.5 / c.K ** 0.5
         self.fused = fused.to(c.act_dtype)
-        self.A_log = torch.log(0.5 + 7.5 * torch.rand(c.HV, generator=gen))
-        self.dt_bias = torch.randn(*c.gate_shape, generator=gen) * 0.5
+        self.heads = c.draw_heads(gen)
         self.g = -F.softplus(torch.randn(self.T_total, *c.gate_shape, generator=gen)) * 0.5
         self.beta = torch.sigmoid(torch.randn(self.T_total, c.HV, generator=gen))
         self.num_slots = c.B * (c.T + 1) + 2
@@ -151,22 +272,17 @@ class RecurrenceProblem:
         return [r for r in range(self.case.B) if self.sources[r] > -1 and self.case.lengths[r] > 0]
 
     def token_inputs(self, device) -> dict[str, torch.Tensor]:
-        """Per-token tensors ``[T_total, ...]`` on ``device`` (views of the fused buffer)."""
+        """Per-token tensors ``[T_total, ...]`` on ``device`` (views of the fused buffer; the
+        precomputed gates ``g``, ``beta`` their own tensors)."""
         c = self.case
         f = self.fused.to(device)
-        hk, o = c.H * c.K, 2 * c.H * c.K + c.HV * c.V
-        x = {"q": f[:, :hk].unflatten(-1, (c.H, c.K)), "k": f[:, hk:2 * hk].unflatten(-1, (c.H, c.K)),
-             "v": f[:, 2 * hk:o].unflatten(-1, (c.HV, c.V))}
         if c.gates == "raw":
-            b0 = o + c.gate_width
-            x.update(a=f[:, o:b0].unflatten(-1, c.gate_shape), b=f[:, b0:b0 + c.HV])
-        else:
-            x.update(g=self.g.to(device), beta=self.beta.to(device))
-        return x
+            return c.split_tokens(f, f[:, c.qkv_width:])
+        return {**c.split_tokens(f, None), "g": self.g.to(device), "beta": self.beta.to(device)}
 
     def head_inputs(self, device) -> dict[str, torch.Tensor]:
         if self.case.gates == "raw":
-            return {"A_log": self.A_log.to(device), "dt_bias": self.dt_bias.to(device)}
+            return {name: t.to(device) for name, t in self.heads.items()}
         return {}
 
 
@@ -236,7 +352,7 @@ class ConvProblem:
 
 
 # ------------------------------------------------------------------------------------------------
-# align-mode grouped commit: conv + GDN or KDA layers in two KV-cache groups, as an engine runs them
+# align-mode grouped commit: conv + GDN, KDA or Mamba2 layers in two KV-cache groups, as an engine runs them
 # ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class AlignCase(_Heads):
@@ -266,7 +382,7 @@ class AlignCase(_Heads):
 
     @property
     def conv_dim(self) -> int:
-        return 2 * self.H * self.K + self.HV * self.V
+        return self.qkv_width
 
 
 def random_align_step(B: int, lengths: Sequence[int], block_sizes: Sequence[int], rng: random.Random,
@@ -318,11 +434,10 @@ def align_layers(case: AlignCase, meta: dict, gen: torch.Generator) -> tuple[lis
     for layer in range(c.layers):
         num_slots = meta["groups"][layer % 2]["num_slots"]
         weights.append({
-            "proj": torch.randn(T_total, c.conv_dim + c.gate_width + c.HV + 1, generator=gen),
+            "proj": torch.randn(T_total, c.conv_dim + c.token_gates_width + 1, generator=gen),
             "conv_w": torch.randn(c.conv_dim, c.conv_width, generator=gen) * 0.5,
             "conv_b": torch.randn(c.conv_dim, generator=gen) * 0.1,
-            "A_log": torch.log(0.5 + 7.5 * torch.rand(c.HV, generator=gen)),
-            "dt_bias": torch.randn(*c.gate_shape, generator=gen) * 0.5,
+            **c.draw_heads(gen),
         })
         pools.append({
             "state": (torch.randn(num_slots, c.HV, c.V, c.K, generator=gen) * 0.3).to(c.state_dtype),
@@ -369,26 +484,30 @@ class DeferredCase:
     conv_width: int = 3
     state_dtype: torch.dtype = torch.float32
     lower_bound: Optional[float] = None          # KDA layers' bounded gate (None: softplus)
+    mamba2: Mamba2Options = Mamba2Options()      # Mamba2 layers' optional inputs
 
     @property
     def groups(self) -> int:
         return len(self.block_sizes)
 
+    def layer(self, kind: str) -> _Layer:
+        """The family and shapes of a layer of ``kind`` (every layer has the case's heads)."""
+        return _Layer(kind, self.H, self.HV, self.K, self.V, self.lower_bound, self.mamba2)
+
     @property
     def conv_dim(self) -> int:
         return 2 * self.H * self.K + self.HV * self.V
 
-    def gate_shape(self, kind: str) -> tuple[int, ...]:
-        return (self.HV,) if kind == "gdn" else (self.HV, self.K)
-
     def proj_width(self, kind: str) -> int:
-        """Columns of a layer's fused input: conv channels, gate inputs ``a``, ``b``, and one
-        more (an odd row stride, as an engine's fused in-projection may give)."""
-        return self.conv_dim + math.prod(self.gate_shape(kind)) + self.HV + 1
+        """Columns of a layer's fused input: conv channels, per-token gate inputs (``a``, ``b``;
+        Mamba2: ``dt``, ``z``), and one more (an odd row stride, as an engine's fused
+        in-projection may give)."""
+        return self.conv_dim + self.layer(kind).token_gates_width + 1
 
     def capabilities(self) -> tuple[str, ...]:
-        caps = ("deferred", "commit", "conv_verify") + tuple(sorted(set(self.kinds)))
-        if "kda" in self.kinds:
+        kinds = sorted(set(self.kinds))
+        caps = ("deferred", "commit", "conv_verify") + tuple(kinds)
+        if any(self.layer(kind).vector_decay for kind in kinds):
             caps += ("vector_decay",)
         if self.state_dtype == torch.bfloat16:
             caps += ("bf16_state",)
@@ -397,6 +516,7 @@ class DeferredCase:
     @property
     def label(self) -> str:
         lb = "" if self.lower_bound is None else f" lb{self.lower_bound:g}"
+        opts = f" {self.mamba2.label}" if "mamba2" in self.kinds else ""
         mode = "align bs " + "/".join(map(str, self.block_sizes)) if self.align else "non-align"
-        return (f"deferred {self.steps} steps {'+'.join(self.kinds)}{lb} {self.groups}G H{self.H}/{self.HV} "
+        return (f"deferred {self.steps} steps {'+'.join(self.kinds)}{lb}{opts} {self.groups}G H{self.H}/{self.HV} "
                 f"K{self.K} V{self.V} B{self.max_batch} T{self.T} state {dtype_name(self.state_dtype)} {mode}")

@@ -1,4 +1,4 @@
-"""Check of the GDN or KDA ops of one layer: verify, decode, snapshot and the non-align commit."""
+"""Check of the GDN, KDA or Mamba2 ops of one layer: verify, decode, snapshot and the non-align commit."""
 from __future__ import annotations
 
 import random
@@ -15,6 +15,7 @@ from .report import REF, TOL, Report
 OPS: dict[str, dict[str, Callable[..., torch.Tensor]]] = {
     "gdn": {"verify": rs.gdn_verify, "decode": rs.gdn_decode, "snapshot": rs.gdn_spec_decode_snapshot},
     "kda": {"verify": rs.kda_verify, "decode": rs.kda_decode, "snapshot": rs.kda_spec_decode_snapshot},
+    "mamba2": {"verify": rs.mamba2_verify, "decode": rs.mamba2_decode, "snapshot": rs.mamba2_spec_decode_snapshot},
 }
 
 
@@ -28,7 +29,7 @@ class RecurrenceRun:
         self.heads = p.head_inputs(device)
         self.si = i32(p.sources, device)
         self.qsl = i32(p.qsl, device)
-        self.common = dict(use_qk_l2norm=p.case.l2norm, backend=backend, **p.case.op_kwargs())
+        self.common = dict(backend=backend, **p.case.op_kwargs())
 
     def verify(self):
         state = self.p.state.to(self.device)

@@ -88,8 +88,7 @@ def draw_sequence(case: DeferredCase, gen: torch.Generator, rng: random.Random) 
             conv=torch.randn(n, c.conv_dim, c.conv_width - 1 + c.T, generator=gen),
             conv_w=torch.randn(c.conv_dim, c.conv_width, generator=gen) * 0.5,
             conv_b=torch.randn(c.conv_dim, generator=gen) * 0.1,
-            A_log=torch.log(0.5 + 7.5 * torch.rand(c.HV, generator=gen)),
-            dt_bias=torch.randn(*c.gate_shape(kind), generator=gen) * 0.5))
+            **c.layer(kind).draw_heads(gen)))
     schedule = _Schedule(case, n, gen, rng)
     return StepSequence(case, layers, [schedule.step(flush_all=i == c.steps // 2) for i in range(c.steps)])
 

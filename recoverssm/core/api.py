@@ -178,8 +178,9 @@ def _recurrence(kind: str, mode: str, q, k, v, state, state_indices, query_start
                 gates: dict, scale, use_qk_l2norm, null_slot, out, backend, check, pending=None,
                 pending_rows=None, round_each_token=True) -> torch.Tensor:
     name = f"{kind}_{'spec_decode_snapshot' if mode == 'snapshot' else mode}"
+    family = FAMILIES[kind]
     scale = _as_float(scale)           # the op receives floats; an int would key its repeats apart
-    lower = tuple(_as_float(gates.pop(name)) for name in FAMILIES[kind].scalars)
+    scalars = tuple(_as_float(gates.pop(name)) for name in family.scalars)
     # A repeat of an earlier call's layout is tried first: its key holds every argument, so it
     # only matches arguments of the types that call passed its checks with.
     result = _out_like(v, out) if isinstance(v, torch.Tensor) else out
@@ -187,9 +188,10 @@ def _recurrence(kind: str, mode: str, q, k, v, state, state_indices, query_start
     if mode == "verify":
         rec = _records(name, records)
         round_each_token = rec.round_each_token       # the records' mode, which the commit replays with
-    tail = (scale, use_qk_l2norm, null_slot, round_each_token, result)
+    options = (scale, use_qk_l2norm) if family.options else ()
+    tail = (*options, null_slot, round_each_token, result)
     end = (resolve_name(backend), check)
-    gate_args = (gates["a"], gates["b"], gates["A_log"], gates["dt_bias"], gates["g"], gates["beta"])
+    gate_args = tuple(gates[g] for g in family.gates)
     if mode == "verify":
         plan, rows, parity = _pending(name, pending, pending_rows)
         if (rec.buffers == 2) != (plan is not None):
@@ -197,21 +199,22 @@ def _recurrence(kind: str, mode: str, q, k, v, state, state_indices, query_start
                              "go with pending= (the CommitContext's that defers its commits), and only they")
         records_args = (rec.correction, rec.key, rec.decay)
         if plan is None:
-            args = (*head, *records_args, *gate_args, *lower, *tail, *end)
+            args = (*head, *records_args, *gate_args, *scalars, *tail, *end)
         else:
             name = f"{kind}_verify_pending"
-            args = (*head, *records_args, *gate_args, *lower, *tail, plan, rows, parity, *end)
+            args = (*head, *records_args, *gate_args, *scalars, *tail, plan, rows, parity, *end)
     elif mode == "decode":
-        args = (*head, *gate_args, *lower, *tail, *end)
+        args = (*head, *gate_args, *scalars, *tail, *end)
     else:
-        args = (*head, snapshot_slots, *gate_args, *lower, *tail, *end)
+        args = (*head, snapshot_slots, *gate_args, *scalars, *tail, *end)
     if REPEATS.run(name, args, check):
         return result
-    check_types(name, q=q, k=k, v=v, state=state, state_indices=state_indices, query_start_loc=query_start_loc,
-                snapshot_slots=snapshot_slots, out=out, **gates)
+    check_types(name, **dict(zip(family.tokens, (q, k, v))), state=state, state_indices=state_indices,
+                query_start_loc=query_start_loc, snapshot_slots=snapshot_slots, out=out, **gates)
     check_int(name, "null_slot", null_slot)
     check_real(name, "scale", scale)
-    check_real(name, "lower_bound", lower[0] if lower else None)
+    for scalar, value in zip(family.scalars, scalars):
+        check_real(name, scalar, value)
     for flag, value in (("use_qk_l2norm", use_qk_l2norm), ("round_each_token", round_each_token)):
         if not isinstance(value, bool):
             where = "records.round_each_token" if flag == "round_each_token" and mode == "verify" else flag
@@ -348,3 +351,96 @@ for _f in (gdn_verify, gdn_decode, gdn_spec_decode_snapshot):
     _f.__doc__ += _RECURRENCE_DOC + _GATE_DOC
 for _f in (kda_verify, kda_decode, kda_spec_decode_snapshot):
     _f.__doc__ += _RECURRENCE_DOC + _KDA_GATE_DOC
+
+
+# ------------------------------------------------------------------------------------------------
+# Mamba2
+# ------------------------------------------------------------------------------------------------
+_MAMBA2_DOC = """
+    Mamba2 (Nemotron-H, Granite 4.0-H, Falcon-H1, Zamba2, Bamba). ``x``: ``[T_total, nheads,
+    headdim]``; ``B``, ``C``: ``[T_total, ngroups, dstate]`` (``nheads`` a multiple of
+    ``ngroups``; head ``h`` reads group ``h // (nheads // ngroups)``; last dims contiguous, other
+    strides free, so views into the conv output are read in place). ``state``: ``[num_slots,
+    nheads, headdim, dstate]`` fp32 or bf16, dstate contiguous (the layout engines use).
+    ``dt``: the raw ``[T_total, nheads]`` (any float dtype); ``dt_bias``: ``[nheads]`` fp32; one
+    of ``A_log`` (then ``A = -exp(A_log)``) and ``A``: ``[nheads]`` fp32; ``D``: ``[nheads]`` or
+    ``[nheads, headdim]`` fp32 or None; ``z``: ``[T_total, nheads, headdim]`` or None;
+    ``dt_limit``: ``(dt_min, dt_max)`` or None (either end may be None or infinite).
+    Per token and head: ``dt = softplus(dt_raw + dt_bias)`` (``x`` for ``x > 20``, else
+    ``log1p(exp(x))``), clamped to ``dt_limit``; ``d = exp(dt * A)``; ``c = dt * x`` (one rounding
+    per element); ``S = fma(c, B, S * d)``; ``y = S C + D * x``, then ``y * silu(z)`` where ``z``
+    is given. The state is fp32 within a call; with ``round_each_token`` a bf16 pool's is rounded
+    after every token, the output taken before. Returns ``out`` ``[T_total, nheads, headdim]`` in
+    ``x.dtype``. ``state_indices``, ``query_start_loc``, ``null_slot``, ``check``: as
+    :func:`gdn_verify`.
+
+    Records: ``ReplayRecords.allocate(max_batch, max_window, H=ngroups, HV=nheads, K=dstate,
+    V=headdim)``: ``correction = dt * x`` (``headdim``), ``key = B`` (``dstate``, per group),
+    ``decay = d``; the commit (:class:`CommitContext`) replays them like GDN's, in the same
+    context as GDN and KDA layers.
+"""
+
+
+def _dt_limit(op_name: str, dt_limit) -> tuple:
+    """``(dt_min, dt_max)`` of ``dt_limit`` (None: no clamp; a None end: unbounded)."""
+    if dt_limit is None:
+        return None, None
+    if not isinstance(dt_limit, (tuple, list)) or len(dt_limit) != 2:
+        raise TypeError(f"{op_name}: dt_limit must be a (dt_min, dt_max) pair or None, got {dt_limit!r}")
+    for which, value in zip(("dt_limit[0]", "dt_limit[1]"), dt_limit):
+        check_real(op_name, which, value)
+    return tuple(None if v is None else float(v) for v in dt_limit)
+
+
+def _mamba2(mode: str, x, B, C, dt, state, state_indices, query_start_loc, records, snapshot_slots, dt_bias, A_log,
+            A, D, z, dt_limit, null_slot, out, backend, check, pending=None, pending_rows=None,
+            round_each_token=True) -> torch.Tensor:
+    name = f"mamba2_{'spec_decode_snapshot' if mode == 'snapshot' else mode}"
+    dt_min, dt_max = _dt_limit(name, dt_limit)
+    gates = dict(dt=dt, dt_bias=dt_bias, A_log=A_log, A=A, D=D, z=z, dt_min=dt_min, dt_max=dt_max)
+    return _recurrence("mamba2", mode, C, B, x, state, state_indices, query_start_loc, records, snapshot_slots,
+                       gates, None, False, null_slot, out, backend, check, pending, pending_rows, round_each_token)
+
+
+def mamba2_verify(x: torch.Tensor, B: torch.Tensor, C: torch.Tensor, dt: torch.Tensor, *, state: torch.Tensor,
+                  state_indices: torch.Tensor, query_start_loc: torch.Tensor, records: ReplayRecords,
+                  dt_bias: torch.Tensor, A_log: Optional[torch.Tensor] = None, A: Optional[torch.Tensor] = None,
+                  D: Optional[torch.Tensor] = None, z: Optional[torch.Tensor] = None,
+                  dt_limit: Optional[tuple] = None, null_slot: int = -1, out: Optional[torch.Tensor] = None,
+                  pending: Optional[Pending] = None, pending_rows: Optional[torch.Tensor] = None,
+                  backend: BackendArg = None, check: Optional[bool] = None) -> torch.Tensor:
+    """Mamba2 verify: :func:`gdn_verify`'s contract (the state read, never written; outputs and
+    replay records written; ``pending`` replays a deferred step first) for a Mamba2 layer."""
+    return _mamba2("verify", x, B, C, dt, state, state_indices, query_start_loc, records, None, dt_bias, A_log, A,
+                   D, z, dt_limit, null_slot, out, backend, check, pending, pending_rows)
+
+
+def mamba2_decode(x: torch.Tensor, B: torch.Tensor, C: torch.Tensor, dt: torch.Tensor, *, state: torch.Tensor,
+                  state_indices: torch.Tensor, query_start_loc: torch.Tensor, dt_bias: torch.Tensor,
+                  A_log: Optional[torch.Tensor] = None, A: Optional[torch.Tensor] = None,
+                  D: Optional[torch.Tensor] = None, z: Optional[torch.Tensor] = None,
+                  dt_limit: Optional[tuple] = None, null_slot: int = -1, out: Optional[torch.Tensor] = None,
+                  round_each_token: bool = True, backend: BackendArg = None,
+                  check: Optional[bool] = None) -> torch.Tensor:
+    """Mamba2's native per-token path (:func:`gdn_decode`): each row's tokens, the final state
+    stored back into its slot."""
+    return _mamba2("decode", x, B, C, dt, state, state_indices, query_start_loc, None, None, dt_bias, A_log, A, D,
+                   z, dt_limit, null_slot, out, backend, check, round_each_token=round_each_token)
+
+
+def mamba2_spec_decode_snapshot(x: torch.Tensor, B: torch.Tensor, C: torch.Tensor, dt: torch.Tensor, *,
+                                state: torch.Tensor, state_indices: torch.Tensor, query_start_loc: torch.Tensor,
+                                snapshot_slots: torch.Tensor, dt_bias: torch.Tensor,
+                                A_log: Optional[torch.Tensor] = None, A: Optional[torch.Tensor] = None,
+                                D: Optional[torch.Tensor] = None, z: Optional[torch.Tensor] = None,
+                                dt_limit: Optional[tuple] = None, null_slot: int = -1,
+                                out: Optional[torch.Tensor] = None, round_each_token: bool = True,
+                                backend: BackendArg = None, check: Optional[bool] = None) -> torch.Tensor:
+    """Mamba2's snapshot method (:func:`gdn_spec_decode_snapshot`): the state after every position
+    ``t`` of row ``r`` stored into ``state[snapshot_slots[r, t]]``."""
+    return _mamba2("snapshot", x, B, C, dt, state, state_indices, query_start_loc, None, snapshot_slots, dt_bias,
+                   A_log, A, D, z, dt_limit, null_slot, out, backend, check, round_each_token=round_each_token)
+
+
+for _f in (mamba2_verify, mamba2_decode, mamba2_spec_decode_snapshot):
+    _f.__doc__ += _MAMBA2_DOC

@@ -212,8 +212,14 @@ class RecurrenceArgs(NamedTuple):
     scale: float
 
 
-def _check_gates(c: Checker, kind: str, T: int, HV: int, K: int, a, b, A_log, dt_bias, g, beta,
-                 lower_bound) -> GateInputs:
+def _is_real(x) -> bool:
+    return not isinstance(x, bool) and isinstance(x, (int, float))
+
+
+def _check_delta_gates(c: Checker, kind: str, T: int, HV: int, K: int, V: int, a, b, A_log, dt_bias, g, beta,
+                       lower_bound=None) -> GateInputs:
+    """GDN's and KDA's gates: raw (``a``, ``b``, ``A_log``, ``dt_bias``) or precomputed (``g``,
+    ``beta``); KDA's per K channel."""
     vector = FAMILIES[kind].vector_decay
     per_token = (T, HV, K) if vector else (T, HV)
     bias_shape = (HV, K) if vector else (HV,)
@@ -221,7 +227,7 @@ def _check_gates(c: Checker, kind: str, T: int, HV: int, K: int, a, b, A_log, dt
     pre = [x is not None for x in (g, beta)]
     if any(raw) and any(pre):
         c.fail("g", "and beta cannot be given together with a, b, A_log, dt_bias; pass one gate form")
-    if lower_bound is not None and (isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float))):
+    if lower_bound is not None and not _is_real(lower_bound):
         c.fail("lower_bound", f"must be a float or None, got {type(lower_bound).__name__}", TypeError)
     why = " (HV and K from state)" if vector else " (HV from state)"
     if all(pre):
@@ -235,35 +241,94 @@ def _check_gates(c: Checker, kind: str, T: int, HV: int, K: int, a, b, A_log, dt
         c.tensor("b", b, dtypes=FLOAT_DTYPES, shape=(T, HV), last_contiguous=True, why=" (HV from state)")
         c.tensor("A_log", A_log, dtypes=F32, shape=(HV,), contiguous=True, why=" (HV from state)")
         c.tensor("dt_bias", dt_bias, dtypes=F32, shape=bias_shape, contiguous=True, why=why)
-        return GateInputs(a=a, b=b, A_log=A_log, dt_bias=dt_bias, kind=kind,
-                          lower_bound=None if lower_bound is None else float(lower_bound))
+        return _gate_inputs(kind, dict(a=a, b=b, A_log=A_log, dt_bias=dt_bias, g=g, beta=beta,
+                                       lower_bound=lower_bound))
     missing = [n for n, given in zip(("a", "b", "A_log", "dt_bias"), raw) if not given]
     if any(pre):
         missing = [n for n, given in zip(("g", "beta"), pre) if not given]
     c.fail(missing[0], "is missing: pass a, b, A_log and dt_bias, or g and beta")
 
 
+def _check_mamba2_gates(c: Checker, kind: str, T: int, HV: int, K: int, V: int, dt, dt_bias, A_log, A, D, z,
+                        dt_min=None, dt_max=None) -> GateInputs:
+    """Mamba2's: ``dt`` ``[T, HV]``, ``dt_bias`` ``[HV]``, one of ``A_log`` and ``A`` ``[HV]``,
+    ``D`` ``[HV]`` or ``[HV, V]`` (optional), ``z`` ``[T, HV, V]`` (optional), and the clamp of
+    ``dt`` (``dt_min <= dt_max``, either may be None: unbounded on that side)."""
+    for name, val in (("dt", dt), ("dt_bias", dt_bias)):
+        if val is None:
+            c.fail(name, "is missing: Mamba2 needs dt and dt_bias")
+    if (A_log is None) == (A is None):
+        c.fail("A_log", "and A: pass exactly one of them (A = -exp(A_log))")
+    c.tensor("dt", dt, dtypes=FLOAT_DTYPES, shape=(T, HV), last_contiguous=True, why=" (HV = nheads from state)")
+    c.tensor("dt_bias", dt_bias, dtypes=F32, shape=(HV,), contiguous=True, why=" (HV = nheads from state)")
+    c.tensor("A_log" if A is None else "A", A if A_log is None else A_log, dtypes=F32, shape=(HV,), contiguous=True,
+             why=" (HV = nheads from state)")
+    if D is not None:
+        c.tensor("D", D, dtypes=F32, contiguous=True, why=" (nheads and headdim from state)")
+        if tuple(D.shape) not in ((HV,), (HV, V)):
+            c.fail("D", f"must be [nheads] = [{HV}] or [nheads, headdim] = [{HV}, {V}] (from state), "
+                        f"got {list(D.shape)}")
+    if z is not None:
+        c.tensor("z", z, dtypes=FLOAT_DTYPES, shape=(T, HV, V), last_contiguous=True,
+                 why=" (the shape of x)")
+    for name, val in (("dt_min", dt_min), ("dt_max", dt_max)):
+        if val is not None and not _is_real(val):
+            c.fail(name, f"must be a float or None, got {type(val).__name__}", TypeError)
+        if val is not None and val != val:
+            c.fail(name, "is NaN")
+    if dt_min is not None and dt_max is not None and dt_min > dt_max:
+        c.fail("dt_min", f"({dt_min}) is greater than dt_max ({dt_max})")
+    return _gate_inputs(kind, dict(dt=dt, dt_bias=dt_bias, A_log=A_log, A=A, D=D, z=z, dt_min=dt_min, dt_max=dt_max))
+
+
+#: each family's gate check (its arguments by the names of ``FAMILIES[kind].gates`` and ``.scalars``)
+GATE_CHECKS = {"gdn": _check_delta_gates, "kda": _check_delta_gates, "mamba2": _check_mamba2_gates}
+
+
+def _gate_inputs(kind: str, gate_args: dict) -> GateInputs:
+    """The gates of a call whose layout has passed the checks."""
+    a = gate_args
+    if kind == "mamba2":
+        limit = None
+        if a["dt_min"] is not None or a["dt_max"] is not None:
+            limit = (float("-inf") if a["dt_min"] is None else float(a["dt_min"]),
+                     float("inf") if a["dt_max"] is None else float(a["dt_max"]))
+        return GateInputs(a=a["dt"], dt_bias=a["dt_bias"], A_log=a["A_log"], A=a["A"], D=a["D"], z=a["z"],
+                          dt_limit=limit, kind=kind)
+    if a["g"] is not None:
+        return GateInputs(g=a["g"], beta=a["beta"], kind=kind)
+    lower_bound = a.get("lower_bound")
+    return GateInputs(a=a["a"], b=a["b"], A_log=a["A_log"], dt_bias=a["dt_bias"], kind=kind,
+                      lower_bound=None if lower_bound is None else float(lower_bound))
+
+
+def _default_scale(kind: str, K: int, scale) -> float:
+    """The scale of ``q^``: given, or ``K ** -0.5`` (GDN, KDA); 1 for Mamba2, which has none."""
+    if not FAMILIES[kind].delta_rule:
+        return 1.0
+    return float(K ** -0.5 if scale is None else scale)
+
+
 def check_recurrence(op: str, kind: str, mode: str, q, k, v, state, state_indices, query_start_loc,
-                     a, b, A_log, dt_bias, g, beta, scale, use_qk_l2norm, null_slot: int, round_each_token, out,
-                     records: Optional[tuple], snapshot_slots, lower_bound,
+                     gate_args: dict, scale, use_qk_l2norm, null_slot: int, round_each_token, out,
+                     records: Optional[tuple], snapshot_slots,
                      check: Optional[bool], static: bool = False, pending: Optional[tuple] = None) -> RecurrenceArgs:
-    """Every check of ``{gdn,kda}_{verify,decode,spec_decode_snapshot}``. ``records``:
-    ``(correction, key, decay)`` in verify, else ``None``; ``snapshot_slots`` in snapshot mode;
-    ``pending``: a verify's ``(plan, rows, parity)`` (its records are then double-buffered)."""
+    """Every check of ``{family}_{verify,decode,spec_decode_snapshot}``. ``q``, ``k``, ``v``: the
+    token inputs in those roles (the family names them, ``Family.tokens``); ``gate_args``: the
+    family's gates and scalars by name; ``records``: ``(correction, key, decay)`` in verify, else
+    ``None``; ``snapshot_slots`` in snapshot mode; ``pending``: a verify's ``(plan, rows,
+    parity)`` (its records are then double-buffered)."""
     c = Checker(op, q.device if isinstance(q, torch.Tensor) else torch.device("cpu"), static)
     if not isinstance(round_each_token, bool):
         c.fail("round_each_token", f"must be a bool, got {type(round_each_token).__name__}", TypeError)
-    key = None if static else _PASSED.key(op, (scale, use_qk_l2norm, null_slot, round_each_token, lower_bound,
-                                               q, k, v, state,
-                                               state_indices, query_start_loc, a, b, A_log, dt_bias, g, beta, out,
+    key = None if static else _PASSED.key(op, (scale, use_qk_l2norm, null_slot, round_each_token, q, k, v, state,
+                                               state_indices, query_start_loc, *gate_args.values(), out,
                                                snapshot_slots, *(records or ()), *(pending or ())))
     if key is not None and key in _PASSED:
-        args = RecurrenceArgs(_gate_inputs(kind, a, b, A_log, dt_bias, g, beta, lower_bound),
-                              float(q.shape[2] ** -0.5 if scale is None else scale))
+        args = RecurrenceArgs(_gate_inputs(kind, gate_args), _default_scale(kind, q.shape[2], scale))
     else:
-        args = _recurrence_layout(c, kind, q, k, v, state, state_indices, query_start_loc, a, b, A_log, dt_bias, g,
-                                  beta, scale, use_qk_l2norm, null_slot, out, records, snapshot_slots, lower_bound,
-                                  pending)
+        args = _recurrence_layout(c, kind, q, k, v, state, state_indices, query_start_loc, gate_args, scale,
+                                  use_qk_l2norm, null_slot, out, records, snapshot_slots, pending)
         if key is not None:
             _PASSED.add(key)
     if c.values(check):
@@ -274,33 +339,27 @@ def check_recurrence(op: str, kind: str, mode: str, q, k, v, state, state_indice
     return args
 
 
-def _gate_inputs(kind, a, b, A_log, dt_bias, g, beta, lower_bound) -> GateInputs:
-    """The gates of a call whose layout has passed the checks."""
-    if g is not None:
-        return GateInputs(g=g, beta=beta, kind=kind)
-    return GateInputs(a=a, b=b, A_log=A_log, dt_bias=dt_bias, kind=kind,
-                      lower_bound=None if lower_bound is None else float(lower_bound))
-
-
-def _recurrence_layout(c: Checker, kind: str, q, k, v, state, state_indices, query_start_loc, a, b, A_log, dt_bias,
-                       g, beta, scale, use_qk_l2norm, null_slot, out, records, snapshot_slots,
-                       lower_bound, pending) -> RecurrenceArgs:
+def _recurrence_layout(c: Checker, kind: str, q, k, v, state, state_indices, query_start_loc, gate_args: dict,
+                       scale, use_qk_l2norm, null_slot, out, records, snapshot_slots, pending) -> RecurrenceArgs:
     if pending is not None and records is None:
         c.fail("pending", "is given to an op that does not verify: only verify replays a pending step")
+    family = FAMILIES[kind]
+    nq, nk, nv = family.tokens
     HV, V, K, rec = _state_and_records(c, kind, state, records, 2 if pending is not None else 1)
     H = rec.H if rec is not None else None
-    c.tensor("q", q, dims=3, dtypes=FLOAT_DTYPES, last_contiguous=True)
+    c.tensor(nq, q, dims=3, dtypes=FLOAT_DTYPES, last_contiguous=True)
     T = q.shape[0]
     if H is None:
-        H = c.size("q", q.shape[1], "H (q/k heads)")
-    c.tensor("q", q, shape=(T, H, K), why=f" (K = {K} from state" + (f", H = {H} from records)" if records else ")"))
-    c.tensor("k", k, dtypes=(q.dtype,), shape=(T, H, K), last_contiguous=True, why=" (the shape of q)")
-    c.tensor("v", v, dtypes=(q.dtype,), shape=(T, HV, V), last_contiguous=True,
-             why=f" (HV = {HV}, V = {V} from state; T from q)")
+        H = c.size(nq, q.shape[1], "H (q/k heads)" if family.delta_rule else "ngroups")
+    c.tensor(nq, q, shape=(T, H, K), why=f" (K = {K} from state" + (f", H = {H} from records)" if records else ")"))
+    c.tensor(nk, k, dtypes=(q.dtype,), shape=(T, H, K), last_contiguous=True, why=f" (the shape of {nq})")
+    c.tensor(nv, v, dtypes=(q.dtype,), shape=(T, HV, V), last_contiguous=True,
+             why=f" (HV = {HV}, V = {V} from state; T from {nq})")
     if HV % H:
-        c.fail("q", f"has {H} q/k heads; the state's {HV} value heads are not a multiple of it")
+        c.fail(nq, f"has {H} {'q/k heads' if family.delta_rule else 'groups'}; the state's {HV} "
+                   f"{'value ' if family.delta_rule else ''}heads are not a multiple of it")
     if T > INT32_MAX:
-        c.fail("q", f"has {T} tokens, more than the {INT32_MAX} a call can index")
+        c.fail(nq, f"has {T} tokens, more than the {INT32_MAX} a call can index")
     c.index("state_indices", state_indices)
     B = state_indices.shape[0]
     c.index("query_start_loc", query_start_loc, B + 1)
@@ -313,12 +372,16 @@ def _recurrence_layout(c: Checker, kind: str, q, k, v, state, state_indices, que
     if snapshot_slots is not None:
         c.tensor("snapshot_slots", snapshot_slots, dims=2, dtypes=(torch.int32,), contiguous=True)
         c.tensor("snapshot_slots", snapshot_slots, shape=(B, None), why=" (one row per row of state_indices)")
-    gates = _check_gates(c, kind, T, HV, K, a, b, A_log, dt_bias, g, beta, lower_bound)
-    scale = _check_scalars(c, K, scale, use_qk_l2norm, null_slot)
-    c.tensor("out", out, dtypes=FLOAT_DTYPES, shape=(T, HV, V), last_contiguous=True, why=" (the shape of v)")
+    gates = GATE_CHECKS[kind](c, kind, T, HV, K, V, **gate_args)
+    if family.delta_rule:
+        scale = _check_scalars(c, K, scale, use_qk_l2norm, null_slot)
+    else:
+        c.null_slot(null_slot)
+        scale = 1.0
+    c.tensor("out", out, dtypes=FLOAT_DTYPES, shape=(T, HV, V), last_contiguous=True, why=f" (the shape of {nv})")
     written = [("out", out)]
-    read = [("q", q), ("k", k), ("v", v), ("state_indices", state_indices), ("query_start_loc", query_start_loc),
-            ("a", a), ("b", b), ("A_log", A_log), ("dt_bias", dt_bias), ("g", g), ("beta", beta),
+    read = [(nq, q), (nk, k), (nv, v), ("state_indices", state_indices), ("query_start_loc", query_start_loc),
+            *((name, x) for name, x in gate_args.items() if isinstance(x, torch.Tensor)),
             ("snapshot_slots", snapshot_slots)]
     if records is not None:
         written += [("records.correction", records[0]), ("records.key", records[1]), ("records.decay", records[2])]

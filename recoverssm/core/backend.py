@@ -59,7 +59,7 @@ class Backend(ABC):
 
     #: What a backend may declare, and what each name promises:
     #: ``conv_verify``, ``conv_decode``: the conv ops; each family of ``core.types.FAMILIES``
-    #: (``gdn``, ``kda``): its recurrence (verify, decode, snapshot); ``plan_commit``: the plan
+    #: (``gdn``, ``kda``, ``mamba2``): its recurrence (verify, decode, snapshot); ``plan_commit``: the plan
     #: op; ``commit``: the grouped commit of scalar-decay records; ``vector_decay``: the commit of
     #: KDA's vector-decay records; ``bf16_state``: bf16 state pools; ``deferred``: deferred
     #: commits (verify and conv verify replaying a pending step, a committer's ``defer`` and
@@ -113,7 +113,8 @@ class Backend(ABC):
                    records: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
                    snapshot_slots: Optional[torch.Tensor], *, pending: "Optional[PendingInputs]" = None,
                    round_each_token: bool = True, bind: bool = False) -> Optional[Launch]:
-        """The GDN or KDA recurrence (``gates.kind``) over each row's window, in one of three modes:
+        """The recurrence of ``gates.kind`` (GDN, KDA, Mamba2) over each row's window, in one of
+        three modes (Mamba2: ``q``, ``k``, ``v`` are ``C``, ``B``, ``x``; ``scale`` 1, no norm):
 
         ``"verify"``: read the checkpoint, write ``out`` and ``records``; never write ``state``
         (but where a row replays its ``pending`` step first: its final and boundary slots).
@@ -142,22 +143,27 @@ class Backend(ABC):
 
 
 class GateInputs:
-    """The gate inputs of a recurrence call.
+    """The gate inputs of a recurrence call, by family (``kind``, a key of ``FAMILIES``).
 
-    ``kind``: ``"gdn"`` (a scalar decay per token and value head) or ``"kda"`` (a decay per K
-    channel). Either raw (``a``, ``b``, ``A_log``, ``dt_bias``) or precomputed (``g``, ``beta``):
-    exactly one form is set. GDN: ``a``, ``b``, ``g``, ``beta`` ``[T, HV]``; ``A_log``,
+    GDN and KDA: either raw (``a``, ``b``, ``A_log``, ``dt_bias``) or precomputed (``g``,
+    ``beta``): exactly one form is set. GDN: ``a``, ``b``, ``g``, ``beta`` ``[T, HV]``; ``A_log``,
     ``dt_bias`` ``[HV]``. KDA: ``a``, ``g`` ``[T, HV, K]``; ``b``, ``beta`` ``[T, HV]``;
     ``A_log`` ``[HV]``; ``dt_bias`` ``[HV, K]``; ``lower_bound`` selects KDA's bounded gate.
+
+    Mamba2: ``a`` is the raw ``dt`` ``[T, HV]``, ``dt_bias`` ``[HV]``, one of ``A_log`` and ``A``
+    ``[HV]`` fp32 (``A = -exp(A_log)``), ``D`` ``[HV]`` or ``[HV, V]`` fp32 or None, ``z``
+    ``[T, HV, V]`` or None, ``dt_limit`` ``(dt_min, dt_max)`` or None (no clamp).
     """
 
-    __slots__ = ("kind", "a", "b", "A_log", "dt_bias", "g", "beta", "lower_bound")
+    __slots__ = ("kind", "a", "b", "A_log", "dt_bias", "g", "beta", "lower_bound", "A", "D", "z", "dt_limit")
 
     def __init__(self, a=None, b=None, A_log=None, dt_bias=None, g=None, beta=None, *,
-                 kind: str = "gdn", lower_bound: Optional[float] = None):
+                 kind: str = "gdn", lower_bound: Optional[float] = None, A=None, D=None, z=None,
+                 dt_limit: Optional[tuple[float, float]] = None):
         self.kind = kind
         self.a, self.b, self.A_log, self.dt_bias, self.g, self.beta = a, b, A_log, dt_bias, g, beta
         self.lower_bound = lower_bound
+        self.A, self.D, self.z, self.dt_limit = A, D, z, dt_limit
 
     @property
     def precomputed(self) -> bool:
@@ -166,6 +172,10 @@ class GateInputs:
     @property
     def vector_decay(self) -> bool:
         return FAMILIES[self.kind].vector_decay
+
+    @property
+    def delta_rule(self) -> bool:
+        return FAMILIES[self.kind].delta_rule
 
 
 class PendingInputs:

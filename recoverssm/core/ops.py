@@ -69,10 +69,12 @@ _RECURRENCE_OPS = {
 
 def _recurrence_schema(kind: str, suffix: str) -> str:
     _, state, before_gates, after_out = _RECURRENCE_OPS[suffix]
-    scalars = "".join(f", float? {name}" for name in FAMILIES[kind].scalars)
-    return (f"({_TOKENS}, {state}, Tensor state_indices, Tensor query_start_loc, {before_gates}{_GATES}{scalars}, "
-            f"float? scale, bool use_qk_l2norm, int null_slot, bool round_each_token, Tensor(d!) out, "
-            f"{after_out}{_TAIL}) -> ()")
+    family = FAMILIES[kind]
+    tokens = ", ".join(f"Tensor {name}" for name in family.tokens)
+    scalars = "".join(f", float? {name}" for name in family.scalars)
+    options = f", {family.options}" if family.options else ""
+    return (f"({tokens}, {state}, Tensor state_indices, Tensor query_start_loc, {before_gates}{family.gate_schema}"
+            f"{scalars}{options}, int null_slot, bool round_each_token, Tensor(d!) out, {after_out}{_TAIL}) -> ()")
 
 
 def backend_for(op: str, name: str, device: torch.device) -> Backend:
@@ -111,17 +113,21 @@ def _conv_decode(x, conv_state, weight, bias, state_indices, silu, dilation, nul
 
 
 def _recurrence(kind: str, mode: str, op: str):
-    """The implementation of ``op``: ``{kind}_{verify,verify_pending,decode,spec_decode_snapshot}``."""
+    """The implementation of ``op``: ``{kind}_{verify,verify_pending,decode,spec_decode_snapshot}``,
+    called with the schema's arguments by name (the family's token, gate and scalar names:
+    ``FAMILIES[kind]``)."""
+    family = FAMILIES[kind]
 
-    def impl(q, k, v, state, state_indices, query_start_loc, a, b, A_log, dt_bias, g, beta, scale,
-             use_qk_l2norm, null_slot, round_each_token, out, backend, check, correction=None, key=None, decay=None,
-             snapshot_slots=None, lower_bound=None, pending_plan=None, pending_rows=None, parity=None,
-             static=False, bind=False):
+    def impl(state, state_indices, query_start_loc, null_slot, round_each_token, out, backend, check,
+             correction=None, key=None, decay=None, snapshot_slots=None, pending_plan=None, pending_rows=None,
+             parity=None, scale=None, use_qk_l2norm=False, static=False, bind=False, **named):
+        q, k, v = (named.pop(name) for name in family.tokens)
+        gate_args = {name: named.pop(name) for name in (*family.gates, *family.scalars)}
         records = (correction, key, decay) if mode == "verify" else None
         pending = None if pending_plan is None else (pending_plan, pending_rows, parity)
-        args = check_recurrence(op, kind, mode, q, k, v, state, state_indices, query_start_loc, a, b, A_log,
-                                dt_bias, g, beta, scale, use_qk_l2norm, null_slot, round_each_token, out, records,
-                                snapshot_slots, lower_bound, check, static, pending)
+        args = check_recurrence(op, kind, mode, q, k, v, state, state_indices, query_start_loc, gate_args, scale,
+                                use_qk_l2norm, null_slot, round_each_token, out, records, snapshot_slots, check,
+                                static, pending)
         if static:
             return None
         be = backend_for(op, backend, state.device)

@@ -15,18 +15,42 @@ import torch
 class Family:
     """A recurrence family: what its ops add to, or change in, the shared recurrence.
 
-    ``vector_decay``: the decay is a K-vector per token and value head (KDA: the gate input ``a``
-    and ``g`` are ``[T, HV, K]``, ``dt_bias`` ``[HV, K]``, records with a vector decay), else a
-    scalar (GDN: ``[T, HV]`` and ``[HV]``). ``scalars``: the float arguments its ops take after
-    the gates, as the ops' schema names them (KDA's ``lower_bound``: the bounded gate)."""
+    Every family's state is ``[num_slots, HV, V, K]`` (K contiguous) and its step is
+    ``S = fma(c, k, S * d)``, so its records and its commit are the shared ones. What differs:
+
+    ``tokens``: the names of its three token inputs in the roles ``(q, k, v)`` of the shared
+    kernels: the vector read against the state (GDN/KDA ``q``; Mamba2 ``C``), the key of the
+    update (``k``; ``B``), the per-value-head input (``v``; ``x``); ``q`` and ``k`` are
+    ``[T, H, K]``, ``v`` ``[T, HV, V]``. ``gates``: its gate arguments in the ops' schema (the
+    names, and the schema text ``gate_schema``), ``scalars``: its float arguments after them,
+    ``options``: the schema text of the arguments after those (GDN/KDA: ``scale`` and
+    ``use_qk_l2norm``). ``vector_decay``: the decay is a K-vector per token and value head (KDA:
+    the gate input ``a`` and ``g`` are ``[T, HV, K]``, ``dt_bias`` ``[HV, K]``, records with a
+    vector decay), else a scalar (GDN, Mamba2: ``[T, HV]`` and ``[HV]``). ``delta_rule``: the
+    correction depends on the state (``c = beta * (v - S' k^)``; Mamba2's is ``dt * x``)."""
 
     name: str
     vector_decay: bool
     scalars: tuple[str, ...] = ()
+    tokens: tuple[str, str, str] = ("q", "k", "v")
+    gates: tuple[str, ...] = ("a", "b", "A_log", "dt_bias", "g", "beta")
+    options: str = "float? scale, bool use_qk_l2norm"
+    delta_rule: bool = True
+
+    @property
+    def gate_schema(self) -> str:
+        """The gate arguments as the ops' schema declares them (every one optional: which are
+        required depends on the gate form, checked with a message that names them)."""
+        return ", ".join(f"Tensor? {name}" for name in self.gates)
 
 
 #: The recurrence families, by the name their ops start with (``gdn_verify``, ``kda_decode``, ...).
-FAMILIES = {"gdn": Family("gdn", vector_decay=False), "kda": Family("kda", vector_decay=True, scalars=("lower_bound",))}
+FAMILIES = {
+    "gdn": Family("gdn", vector_decay=False),
+    "kda": Family("kda", vector_decay=True, scalars=("lower_bound",)),
+    "mamba2": Family("mamba2", vector_decay=False, scalars=("dt_min", "dt_max"), tokens=("C", "B", "x"),
+                     gates=("dt", "dt_bias", "A_log", "A", "D", "z"), options="", delta_rule=False),
+}
 
 
 @dataclass(frozen=True)

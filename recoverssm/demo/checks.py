@@ -1,5 +1,6 @@
-"""The demo's bit-identity checks: the speculative path's committed slots against the per-token
-path, with ``torch.equal``; any difference raises :class:`DemoMismatch`."""
+"""The demo's bit-identity checks: the speculative path's committed slots (and the attention
+layers' KV caches) against the per-token path, with ``torch.equal``; any difference raises
+:class:`DemoMismatch`."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -30,6 +31,7 @@ class SlotChecker:
     def __init__(self, spec: SpecEngine, ref: ReferenceEngine):
         self.spec, self.ref = spec, ref
         self.compared = 0
+        self.compared_kv = 0      # attention layers' KV-cache prefixes compared
         #: per group: slot -> (request, tokens it holds the state after)
         self.written: list[dict[int, tuple[int, int]]] = [{} for _ in spec.block_sizes]
 
@@ -56,14 +58,26 @@ class SlotChecker:
                 raise DemoMismatch(f"{where}: request {q} has {spec_n} tokens committed but the "
                                    f"per-token path computed {ref_n}")
 
+    def _check_kv_caches(self, where: str) -> None:
+        """Every attention layer holds, for each request's computed tokens, the per-token path's
+        keys and values: the positions of rejected drafts were overwritten or lie past them."""
+        for layer in self.spec.kv:
+            for q in range(self.spec.num_requests):
+                for name, got, want in zip(("keys", "values"), self.spec.kv_prefix(layer, q),
+                                           self.ref.kv_prefix(layer, q)):
+                    expect_equal(got, want, f"{where}, request {q}: attention layer {layer} cached {name}")
+                self.compared_kv += 1
+
     def _check_slot(self, where: str, g: int, q: int, slot: int, tokens: int, what: str) -> None:
         self._compare(f"{where}, request {q}, {what} (after {tokens} tokens)", g, slot,
                       self._want(where, g, q, tokens))
         self.written[g][slot] = (q, tokens)
 
     def after_commit(self, where: str, plans: Sequence[GroupPlan], computed_before: Sequence[int]) -> int:
-        """Check the final and boundary slots of every group and request; return boundary writes."""
+        """Check the final and boundary slots of every group and request, and the attention
+        layers' KV caches; return boundary writes."""
         self._check_token_counts(where)
+        self._check_kv_caches(where)
         boundaries = 0
         for g, plan in enumerate(plans):
             for q, before in enumerate(computed_before):

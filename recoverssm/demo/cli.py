@@ -37,13 +37,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=12, help="speculative steps (default: 12)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights, prompts and drafts (default: 0)")
     p.add_argument("--arch", choices=ARCHS, default="gdn",
-                   help="the recurrent layers: gdn (Gated DeltaNet, Qwen3-Next-like) or kda (Kimi Delta "
-                        "Attention, Kimi-Linear-like: H = HV, K = V, a gate per K channel) (default: gdn)")
+                   help="the recurrent layers: gdn (Gated DeltaNet, Qwen3-Next-like), kda (Kimi Delta "
+                        "Attention, Kimi-Linear-like: H = HV, K = V, a gate per K channel) or mamba2 (a "
+                        "Nemotron-H-like hybrid: Mamba2 layers with 2 groups of B/C, and attention layers; "
+                        "not with --tp) (default: gdn)")
     p.add_argument("--lower-bound", type=float, nargs="?", const=-5.0, default=None, metavar="LB",
                    help="with --arch kda: the bounded gate g = LB * sigmoid(exp(A_log) * (a + dt_bias)), "
                         "LB < 0 (default without a value: -5)")
     p.add_argument("--layers", type=int, default=4,
-                   help="recurrent layers, split into 2 KV-cache groups (default: 4)")
+                   help="recurrent layers, split into 2 KV-cache groups; --arch mamba2 adds an attention "
+                        "layer after every odd-numbered one that another follows (4: M*MM*M) (default: 4)")
     p.add_argument("--ref-conv", choices=("auto", "torch", "kernel"), default="auto",
                    help="per-token conv of the reference path: the backend's rs.conv_decode (kernel), or "
                         "plain torch, bit-identical on cpu_ref only (default: kernel where the backend "

@@ -1,9 +1,10 @@
 """The reference path: plain non-speculative decoding, one token per request per call.
 
 Nothing here touches records, plans or commits. Each request owns slot ``q`` of small private
-pools; every call feeds one token per active request through the model with ``rs.gdn_decode`` or
-``rs.kda_decode`` (the native per-token recurrence, state updated in place) and a per-token causal
-conv, whose pools hold the history only (``[requests, conv_dim, width - 1]``):
+pools; every call feeds one token per active request through the model with ``rs.gdn_decode``,
+``rs.kda_decode`` or ``rs.mamba2_decode`` (the native per-token recurrence, state updated in place)
+and a per-token causal conv, whose pools hold the history only (``[requests, conv_dim, width - 1]``);
+an attention layer appends the token's key and value to its own KV cache and attends over it:
 
 * ``conv="kernel"``: the backend's ``rs.conv_decode``, as an engine's decode step runs it (output
   and history shift in one op). Its history is bit-exact to ``conv_verify`` + commit, and its
@@ -14,8 +15,8 @@ conv, whose pools hold the history only (``[requests, conv_dim, width - 1]``):
   order, as the ``cpu_ref`` kernel, so on ``cpu_ref`` the outputs agree bit for bit without
   sharing any code with it; a GPU kernel may contract ``a*b+c`` into an FMA and round otherwise.
 
-It also keeps a copy of every layer's state and conv history whenever a request's token count
-reaches a multiple of a group's block size: what a prefix-cache block must hold.
+It also keeps a copy of every recurrent layer's state and conv history whenever a request's token
+count reaches a multiple of a group's block size: what a prefix-cache block must hold.
 """
 from __future__ import annotations
 
@@ -44,10 +45,12 @@ class ReferenceEngine:
         self.block_sizes = list(block_sizes)
         self.layers_of = [list(ls) for ls in layers_of]
         dev = model.device
-        self.state = [torch.zeros(num_requests, c.HV, c.V, c.K, device=dev, dtype=c.state_torch_dtype)
-                      for _ in range(c.num_layers)]
-        self.conv_state = [torch.zeros(num_requests, c.conv_dim, c.conv_history, device=dev)
-                           for _ in range(c.num_layers)]
+        # by stack index, as the speculative path's
+        self.state = {i: torch.zeros(num_requests, c.HV, c.V, c.K, device=dev, dtype=c.state_torch_dtype)
+                      for i in c.recurrent_layers}
+        self.conv_state = {i: torch.zeros(num_requests, c.conv_dim, c.conv_history, device=dev)
+                           for i in c.recurrent_layers}
+        self.kv = {i: model.kv_cache(num_requests) for i in c.attention_layers}
         self.num_computed = [0] * num_requests
         #: (group, request, tokens) -> [(state, conv history) per layer of the group]
         self.block_states: dict[tuple[int, int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -62,10 +65,12 @@ class ReferenceEngine:
         h = m.embed(torch.tensor(list(tokens), dtype=torch.long, device=dev))
         decode = m.recurrence("decode")
         for i in range(len(m.layers)):
+            if m.is_attention(i):
+                h = m.attention(i, h, self.kv[i], requests, [self.num_computed[r] for r in requests], range(B + 1))
+                continue
             x = m.in_proj(i, h)
-            y = self._conv(i, x.qkv, requests, slots)
-            q, k, v = m.split_qkv(y)
-            o = decode(q, k, v, state=self.state[i], state_indices=slots, query_start_loc=qsl,
+            y = self._conv(i, x.conv_in, requests, slots)
+            o = decode(*m.operands(y), state=self.state[i], state_indices=slots, query_start_loc=qsl,
                        **m.gates(i, x), backend=self.backend)
             h = m.finish_layer(i, h, o, x.z)
         for r in requests:
@@ -106,3 +111,7 @@ class ReferenceEngine:
         """Request ``r``'s (state, conv history) for each layer of group ``g``, now."""
         hist = self.model.cfg.conv_history
         return [(self.state[i][r], self.conv_state[i][r, :, :hist]) for i in self.layers_of[g]]
+
+    def kv_prefix(self, layer: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention layer ``layer``'s keys and values of request ``r``'s computed tokens."""
+        return self.kv[layer].prefix(r, self.num_computed[r])

@@ -32,12 +32,30 @@ def intro_lines(cfg: DemoConfig, backend_name: str, reason: str, ref_conv: str) 
              f"per-token path: {per_token_ops(mcfg, ref_conv)}, one token per call"]
     ending = "one defer per step" if cfg.deferred else "one commit per step"
     if mcfg.num_layers > 1:
-        lines.append(f"KV-cache groups: even layers (block size {cfg.block_sizes[0]}), odd layers "
+        first, second = _group_layers(mcfg)
+        lines.append(f"KV-cache groups: {first} (block size {cfg.block_sizes[0]}), {second} "
                      f"(block size {cfg.block_sizes[1]}); align mode (prefix caching), {ending}")
     else:
         lines.append(f"one KV-cache group (block size {cfg.block_sizes[0]}); align mode (prefix caching)"
                      + (f", {ending}" if cfg.deferred else ""))
-    return lines + deferred_intro(cfg)
+    return lines + attention_intro(mcfg) + deferred_intro(cfg)
+
+
+def _group_layers(mcfg: ModelConfig) -> tuple[str, str]:
+    """The layers of the two KV-cache groups (every other recurrent layer, as :mod:`.spec` splits
+    them), e.g. ``even layers`` or, in the Mamba2 hybrid, ``Mamba2 layers 0, 3``."""
+    if not mcfg.attention_layers:
+        return "even layers", "odd layers"
+    return tuple("Mamba2 layers " + ", ".join(map(str, mcfg.recurrent_layers[g::2])) for g in range(2))
+
+
+def attention_intro(mcfg: ModelConfig) -> list[str]:
+    """How the hybrid's attention layers roll back (nothing without attention layers)."""
+    if not mcfg.attention_layers:
+        return []
+    layers = ", ".join(map(str, mcfg.attention_layers))
+    return [f"attention layers {layers}: a KV cache per request, no commit (the next window overwrites "
+            f"rejected drafts' keys); checked against the per-token path's caches after every step"]
 
 
 def deferred_intro(cfg: DemoConfig) -> list[str]:
@@ -130,8 +148,13 @@ def summary_lines(res: DemoResult) -> list[str]:
         f"time per step: speculative path {spec_ms:.1f} ms (draft, verify, plan, commit), "
         f"per-token reference {ref_ms:.1f} ms",
         f"bit-identity: OK: {res.compared_slots} state/conv slot comparisons, {res.compared_logits} logits rows, "
-        f"tokens equal, {res.prefix_blocks_checked} cached blocks intact at the end",
+        f"{_kv_count(res)}tokens equal, {res.prefix_blocks_checked} cached blocks intact at the end",
     ] + deferred_lines(res)
+
+
+def _kv_count(res: DemoResult) -> str:
+    """The attention KV-cache comparisons of the bit-identity line (none without attention layers)."""
+    return f"{res.compared_kv} attention KV-cache prefixes, " if res.compared_kv else ""
 
 
 def deferred_lines(res: DemoResult) -> list[str]:

@@ -1,9 +1,10 @@
-"""``recoverssm demo``: speculative decoding of a tiny GDN or KDA model, checked bit for bit at
-every step.
+"""``recoverssm demo``: speculative decoding of a tiny GDN, KDA or Mamba2-hybrid model, checked bit
+for bit at every step.
 
 Each step, for every request: the draft proposes ``k`` tokens; the speculative path verifies the
 window ``[last accepted token, d_1 .. d_k]`` of all requests at once (``rs.conv_verify`` +
-``rs.gdn_verify`` or ``rs.kda_verify`` per layer, records in one ``ReplayRecords`` per layer),
+``rs.gdn_verify``, ``rs.kda_verify`` or ``rs.mamba2_verify`` per recurrent layer, records in one
+``ReplayRecords`` per layer; the hybrid's attention layers write the window into their KV caches),
 accepts drafts greedily (while the target's argmax agrees; ``num_accepted = accepted drafts + 1``,
 the last token being the target's own prediction) and commits every layer of both KV-cache groups
 in ONE ``CommitContext.commit`` in align mode. Beside it, the per-token reference path
@@ -14,6 +15,8 @@ After every step the demo checks with ``torch.equal`` that
 * the emitted tokens, and the logits of every accepted position, equal the per-token path's;
 * in every slot the commit wrote (final and block-boundary slots), every layer's recurrent state
   and conv history equal the per-token path's after the same number of tokens;
+* every attention layer's KV cache holds the per-token path's keys and values for each request's
+  computed tokens;
 
 and at the end that every prefix-cache block written during the run still holds its state. Any
 difference raises :class:`DemoMismatch` (the CLI exits 1 with its message).
@@ -27,8 +30,9 @@ Why the two paths can agree bit for bit: the recurrence is exact by the library'
 records hold the very values the per-token step used; the commit replays them with the same
 fused multiply-add). What remains is to feed both paths the same bits: every non-recurrent op runs
 one token at a time on identically shaped tensors (:mod:`recoverssm.demo.model`), so a token's
-q/k/v/a/b do not depend on the window or batch it arrived in; and the per-token conv rounds like
-the backend's verify conv (:mod:`recoverssm.demo.reference`).
+q/k/v/a/b do not depend on the window or batch it arrived in (nor an attention layer's output:
+each token attends on its own, :mod:`recoverssm.demo.attention`); and the per-token conv rounds
+like the backend's verify conv (:mod:`recoverssm.demo.reference`).
 """
 from __future__ import annotations
 
@@ -62,7 +66,7 @@ class DemoConfig:
     seed: int = 0
     device: str = "cpu"
     backend: Optional[str] = None
-    block_sizes: tuple[int, ...] = (4, 5)      # group 0 (even layers), group 1 (odd layers)
+    block_sizes: tuple[int, ...] = (4, 5)      # group 0, group 1: every other recurrent layer
     prompt_len: tuple[int, int] = (5, 9)       # inclusive range, drawn per request
     # Per request (cycled): relative noise on the draft's copy of the weights, and the chance of
     # replacing a draft token by a random one. Different drafts -> different acceptance.
@@ -100,6 +104,7 @@ class DemoResult:
     compared_logits: int
     prefix_blocks_checked: int
     memory: dict
+    compared_kv: int = 0             # attention layers' KV-cache prefixes compared (Mamba2 hybrid)
     replayed_rows: int = 0           # deferred: pending row commits the next step's verify replayed
     flushed_rows: int = 0            # deferred: pending row commits a flush committed
     ok: bool = True
@@ -130,7 +135,8 @@ class DemoResult:
             "acceptance_rate": self.drafts_accepted / max(self.drafts_proposed, 1),
             "acceptance_per_request": self.acceptance_per_request(),
             "compared_slots": self.compared_slots, "compared_logits": self.compared_logits,
-            "prefix_blocks_checked": self.prefix_blocks_checked, "memory": self.memory,
+            "prefix_blocks_checked": self.prefix_blocks_checked, "compared_kv": self.compared_kv,
+            "memory": self.memory,
             "deferred": self.config.deferred, "replayed_rows": self.replayed_rows,
             "flushed_rows": self.flushed_rows,
         }
@@ -314,6 +320,7 @@ class DemoLoop:
             ref_tokens=[h[len(p):] for h, p in zip(self.ref_history, self.prompts)],
             prefill_rounds=self.prefill_rounds, steps=self.steps, compared_slots=self.checker.compared,
             compared_logits=self.compared_logits, prefix_blocks_checked=blocks,
+            compared_kv=self.checker.compared_kv,
             memory=_memory(self.spec, self.cfg), replayed_rows=self.commits.replayed_rows,
             flushed_rows=self.commits.flushed_rows)
 

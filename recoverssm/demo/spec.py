@@ -2,12 +2,15 @@
 
 State layout, as an engine with prefix caching (align mode) holds it:
 
-* two KV-cache groups (even layers, odd layers), each with its own block size and its own block
+* two KV-cache groups (every other recurrent layer), each with its own block size and its own block
   table ``[num_requests, width]`` of slots in its own pools; block ``j`` of a request covers tokens
   ``[j*bs, (j+1)*bs)`` and holds the state after the last of them that has been computed;
-* per layer: ``state [num_slots, HV, V, K]`` (fp32 or bf16), ``conv_state [num_slots, conv_dim, history + T_max]``
-  and one :class:`~recoverssm.ReplayRecords` workspace (batch row = request; a decay per K channel
-  for KDA layers);
+* per recurrent layer: ``state [num_slots, HV, V, K]`` (fp32 or bf16), ``conv_state [num_slots,
+  conv_dim, history + T_max]`` and one :class:`~recoverssm.ReplayRecords` workspace (batch row =
+  request; a decay per K channel for KDA layers; Mamba2 maps ngroups, nheads, dstate, headdim to
+  H, HV, K, V and commits like GDN);
+* per attention layer (the Mamba2 hybrid): a :class:`~.attention.KVCache` by request and position,
+  written by the verify and never committed (the next window overwrites rejected positions);
 * per group and request: the *source slot*, the slot holding the state after the last computed
   token (where the next window is verified from). The commit plan says where the state goes; the
   engine computes the same plan with :func:`recoverssm.plan_commit` to know the next source slots.
@@ -65,9 +68,10 @@ class SpecEngine:
         self.block_sizes = list(block_sizes)[:c.num_layers]
         self.num_groups = len(self.block_sizes)
         dev = model.device
-        self.group_of = [i % self.num_groups for i in range(c.num_layers)]
-        self.layers_of = [[i for i in range(c.num_layers) if self.group_of[i] == g]
-                          for g in range(self.num_groups)]
+        # Layers are named by their index in the stack; the j-th recurrent layer is in group j % G.
+        recurrent = c.recurrent_layers
+        self.group_of = {i: j % self.num_groups for j, i in enumerate(recurrent)}
+        self.layers_of = [[i for i in recurrent if self.group_of[i] == g] for g in range(self.num_groups)]
 
         # Block tables: every request gets `width` blocks of shuffled slots, so that slot numbers
         # say nothing about requests or positions (as in an engine's block pool). Different groups
@@ -85,16 +89,18 @@ class SpecEngine:
             self.num_slots.append(num_slots)
         self.block_tables_host = [t.tolist() for t in self.block_tables]
 
+        # Per recurrent layer, by stack index.
         hist = c.conv_history
-        self.state = [torch.zeros(self.num_slots[self.group_of[i]], c.HV, c.V, c.K, device=dev,
-                                  dtype=c.state_torch_dtype)
-                      for i in range(c.num_layers)]
-        self.conv_state = [torch.zeros(self.num_slots[self.group_of[i]], c.conv_dim, hist + max_window,
-                                       device=dev) for i in range(c.num_layers)]
+        self.state = {i: torch.zeros(self.num_slots[self.group_of[i]], c.HV, c.V, c.K, device=dev,
+                                     dtype=c.state_torch_dtype) for i in recurrent}
+        self.conv_state = {i: torch.zeros(self.num_slots[self.group_of[i]], c.conv_dim, hist + max_window,
+                                          device=dev) for i in recurrent}
         # Deferred: two records buffers, the pending step's and the one this step's verify writes.
-        self.records = [rs.ReplayRecords.allocate(num_requests, max_window, c.H, c.HV, c.K, c.V, device=dev,
-                                                  vector_decay=c.vector_decay, buffers=2 if deferred else 1)
-                        for _ in range(c.num_layers)]
+        self.records = {i: rs.ReplayRecords.allocate(num_requests, max_window, c.H, c.HV, c.K, c.V, device=dev,
+                                                     vector_decay=c.vector_decay, buffers=2 if deferred else 1)
+                        for i in recurrent}
+        # Per attention layer, by stack index.
+        self.kv = {i: model.kv_cache(num_requests) for i in c.attention_layers}
         # Built once: a GPU backend builds its pointer tables here, not per step.
         self.ctx = rs.CommitContext(
             [[rs.LayerCache(self.state[i], self.records[i], conv_state=self.conv_state[i],
@@ -112,25 +118,31 @@ class SpecEngine:
         """Verify one window per request (lengths ``0 .. max_window``).
 
         Returns ``logits [T_total, vocab]`` and ``query_start_loc`` int32 ``[R + 1]``. Writes the
-        records of every layer and the window columns of the source slots' conv states; no state,
-        except (deferred) the previous step's pending commit, which every layer replays first.
+        records of every recurrent layer, the window columns of the source slots' conv states and
+        the windows' keys and values of every attention layer; no state, except (deferred) the
+        previous step's pending commit, which every recurrent layer replays first.
         """
         m, dev = self.model, self.model.device
         lengths = [len(w) for w in windows]
         assert max(lengths) <= self.max_window
-        qsl = torch.tensor([0] + list(_cumsum(lengths)), dtype=torch.int32, device=dev)
+        starts = [0] + list(_cumsum(lengths))
+        qsl = torch.tensor(starts, dtype=torch.int32, device=dev)
         tokens = torch.tensor([t for w in windows for t in w], dtype=torch.long, device=dev)
         sources = [torch.tensor(s, dtype=torch.int32, device=dev) for s in self.source]
         h = m.embed(tokens)
         verify = m.recurrence("verify")
         for i, w in enumerate(m.layers):
+            if m.is_attention(i):
+                # a window starts after its request's computed tokens (deferred too: num_computed
+                # already counts a pending step's accepted tokens)
+                h = m.attention(i, h, self.kv[i], range(self.num_requests), self.num_computed, starts)
+                continue
             g = self.group_of[i]
             x = m.in_proj(i, h)
             pending = self._pending(g)
-            y = rs.conv_verify(x.qkv, self.conv_state[i], w.conv_w, w.conv_b, state_indices=sources[g],
+            y = rs.conv_verify(x.conv_in, self.conv_state[i], w.conv_w, w.conv_b, state_indices=sources[g],
                                query_start_loc=qsl, activation="silu", backend=self.backend, **pending)
-            q, k, v = m.split_qkv(y)
-            o = verify(q, k, v, state=self.state[i], state_indices=sources[g], query_start_loc=qsl,
+            o = verify(*m.operands(y), state=self.state[i], state_indices=sources[g], query_start_loc=qsl,
                        records=self.records[i], **m.gates(i, x), backend=self.backend, **pending)
             h = m.finish_layer(i, h, o, x.z)
         return m.logits(h), qsl
@@ -192,13 +204,18 @@ class SpecEngine:
         """Layer ``layer``'s conv history in ``slot`` ``[conv_dim, history]``."""
         return self.conv_state[layer][slot, :, :self.model.cfg.conv_history]
 
+    def kv_prefix(self, layer: int, request: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention layer ``layer``'s keys and values of ``request``'s computed tokens."""
+        return self.kv[layer].prefix(request, self.num_computed[request])
+
     def bytes_held(self) -> dict[str, int]:
-        """Bytes of the live working set: one state slot per request per layer plus records,
-        against the snapshot method's ``1 + k`` slots (``k = max_window - 1``) per request."""
+        """Bytes of the live working set: one state slot per request per recurrent layer plus
+        records, against the snapshot method's ``1 + k`` slots (``k = max_window - 1``) per request
+        (attention layers' KV caches are the same for both methods and left out)."""
         c = self.model.cfg
         L, R, T = c.num_layers, self.num_requests, self.max_window
-        state = c.HV * c.V * c.K * self.state[0].element_size()
-        records = sum(r.correction.nbytes + r.key.nbytes + r.decay.nbytes for r in self.records)
+        state = c.HV * c.V * c.K * c.state_torch_dtype.itemsize
+        records = sum(r.correction.nbytes + r.key.nbytes + r.decay.nbytes for r in self.records.values())
         return {"state_bytes_per_slot": state, "recoverssm_states": L * R * state,
                 "recoverssm_records": records, "snapshot_states": L * R * T * state}
 

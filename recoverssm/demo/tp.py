@@ -16,6 +16,11 @@ NCCL on ``--device cuda``, one GPU per rank). Every rank holds, of every layer,
 
 Everything else (embedding, norms, MLP, LM head, sampling, the draft) is replicated.
 
+GDN and KDA models only (:data:`TP_ARCHS`): the Mamba2 hybrid (``--arch mamba2``) is refused with a
+:class:`TPSetupError`. Sharding it would need its own column map (``z | x | B | C | dt``, B and C by
+group), a group-wise gated norm on each rank and head-parallel attention layers with their KV
+caches: another sharded model, which this demo does not have.
+
 **What is checked, on every rank.** The whole single-process demo loop (:func:`.run.run_demo`) runs
 on each rank with the sharded model: the speculative path's committed states and conv histories
 are compared with ``torch.equal`` to that rank's OWN per-token path (``rs.gdn_decode`` or
@@ -63,8 +68,12 @@ NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "N
 DEFAULT_TIMEOUT_S = 300
 
 
+#: the layer kinds the sharded model (:class:`ShardedTinyModel`) implements
+TP_ARCHS = ("gdn", "kda")
+
+
 class TPSetupError(ValueError):
-    """The run cannot be sharded or started as asked (sizes, world size, device)."""
+    """The run cannot be sharded or started as asked (sizes, world size, device, layer kind)."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -87,6 +96,10 @@ class HeadShard:
     @classmethod
     def of(cls, cfg: ModelConfig, rank: int, world: int) -> "HeadShard":
         """Rank ``rank``'s shard of the layers of ``cfg`` (the full model's config)."""
+        if cfg.arch not in TP_ARCHS:
+            raise TPSetupError(f"tensor parallelism shards {' and '.join(a.upper() for a in TP_ARCHS)} models "
+                               f"only, not --arch {cfg.arch} (the Mamba2 hybrid has no sharded model); "
+                               f"run it without --tp")
         return cls(rank, world, cfg.H, cfg.HV, cfg.K, cfg.V, cfg.gate_channels)
 
     def __post_init__(self):

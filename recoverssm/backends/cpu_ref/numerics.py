@@ -128,6 +128,25 @@ def kda_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: to
     return decay, beta
 
 
+def mamba2_gates(dt: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor | None, A: torch.Tensor | None,
+                 dt_limit: tuple[float, float] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mamba2's decay ``d = exp(dt * A)`` and step ``dt = softplus(dt_raw + dt_bias)``, clamped to
+    ``dt_limit``. ``dt``: ``[T, HV]`` (any float dtype); ``dt_bias``, ``A_log`` or ``A`` (``A =
+    -exp(A_log)``): ``[HV]`` fp32. Returns two fp32 ``[T, HV]`` tensors, one token at a time
+    (as :func:`gdn_gates`)."""
+    A = -on_vector_path(torch.exp, A_log.float()) if A is None else A.float()
+    dt_bias = dt_bias.float()
+    decay = torch.empty(dt.shape, dtype=torch.float32)
+    step = torch.empty(dt.shape, dtype=torch.float32)
+    for t in range(dt.shape[0]):
+        dt_t = on_vector_path(softplus, dt[t].float() + dt_bias)
+        if dt_limit is not None:
+            dt_t = torch.clamp(dt_t, min=dt_limit[0], max=dt_limit[1])
+        step[t] = dt_t
+        decay[t] = on_vector_path(torch.exp, dt_t * A)
+    return decay, step
+
+
 def precomputed_gates(g: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Decay ``exp(g)`` and ``beta`` from precomputed gates (``g``: ``[T, HV]``, or ``[T, HV, K]``
     for KDA), one token at a time."""

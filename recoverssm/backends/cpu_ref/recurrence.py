@@ -1,4 +1,4 @@
-"""The GDN and KDA recurrences, the readable reference.
+"""The GDN, KDA and Mamba2 recurrences, the readable reference.
 
 One function, three modes, so that verify and the native per-token paths run the very same step:
 
@@ -12,18 +12,22 @@ with ``round_each_token`` (the default) a bf16 pool's is rounded to bf16 after e
 window of n tokens in one call gives the bits of n calls of one token, each of which stores its
 state; without it, it is rounded only where it is stored. GDN decays a head's state by one scalar per
 token, KDA by a K-vector (column ``j`` by ``decay[j]``); everything else is the same code.
+Mamba2 (``mamba2_step``) has no delta rule: its correction ``dt * x`` does not read the state,
+its key is ``B`` and its output reads ``C``; its records and its state stores are the same.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from ...core.backend import GateInputs, PendingInputs
 from ...core.indices import is_slot
 from ...core.plan import plan_entry
 from ...core.types import PLAN_FIELDS
-from .numerics import as_stored, fma, gdn_gates, kda_gates, l2_normalize, precomputed_gates, tree_sum
+from .numerics import (as_stored, fma, gdn_gates, kda_gates, l2_normalize, mamba2_gates, on_vector_path,
+                       precomputed_gates, tree_sum)
 from .replay import RowCommit, decayed, replay_commits
 
 
@@ -41,6 +45,26 @@ def delta_step(S: torch.Tensor, k_hat: torch.Tensor, v: torch.Tensor, beta: torc
     return fma(correction[..., None], k_hat[:, :, None, :], S_decayed), correction
 
 
+def mamba2_step(S: torch.Tensor, B: torch.Tensor, C: torch.Tensor, x: torch.Tensor, dt: torch.Tensor,
+                decay: torch.Tensor, D: Optional[torch.Tensor],
+                z: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One Mamba2 token for a batch of (row, head) states: ``c = dt * x``, ``S = fma(c, B, S * d)``,
+    ``y = S C + D * x``, then ``y * silu(z)``.
+
+    ``S``: fp32 ``[R, HV, V, K]``; ``B``, ``C``: ``[R, HV, K]`` (already per head); ``x``: fp32
+    ``[R, HV, V]``; ``dt``, ``decay``: ``[R, HV]``; ``D``: ``[HV]`` or ``[HV, V]`` or None; ``z``:
+    ``[R, HV, V]`` or None. Returns the new state, ``c`` and ``y`` (fp32)."""
+    correction = dt[..., None] * x
+    S = fma(correction[..., None], B[:, :, None, :], decayed(S, decay))
+    y = tree_sum(S * C[:, :, None, :])
+    if D is not None:
+        y = y + (D[:, None] if D.dim() == 1 else D).float() * x
+    if z is not None:
+        gate = torch.stack([on_vector_path(F.silu, z_r.float().reshape(-1)).view(z_r.shape) for z_r in z])
+        y = y * gate
+    return S, correction, y
+
+
 def row_bounds(query_start_loc: torch.Tensor, num_tokens: int,
                max_len: Optional[int] = None) -> tuple[list[int], list[int], list[int]]:
     """Each row's first token, span and length, whatever the values: both ends clamped to
@@ -54,6 +78,10 @@ def row_bounds(query_start_loc: torch.Tensor, num_tokens: int,
 
 
 def _token_inputs(q, k, gates: GateInputs, scale: float, use_qk_l2norm: bool):
+    """Every token's ``(q^, k^, decay, beta)`` (Mamba2: ``(C, B, decay, dt)``), fp32."""
+    if not gates.delta_rule:
+        decay, dt = mamba2_gates(gates.a, gates.dt_bias, gates.A_log, gates.A, gates.dt_limit)
+        return q.float(), k.float(), decay, dt
     if use_qk_l2norm:
         q_hat = l2_normalize(q) * scale
         k_hat = l2_normalize(k)
@@ -138,8 +166,12 @@ def recurrence(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sta
         live = [i for i, r in enumerate(rows) if lengths[r] > t]
         tok = [starts[rows[i]] + t for i in live]
         k_t = k_hat[tok]                      # [R, H, K]
-        S_live, c_t = delta_step(S[live], k_t[:, head_of], v[tok].float(), beta[tok], decay[tok])
-        o_t = tree_sum(S_live * q_hat[tok][:, head_of, None, :])
+        if gates.delta_rule:
+            S_live, c_t = delta_step(S[live], k_t[:, head_of], v[tok].float(), beta[tok], decay[tok])
+            o_t = tree_sum(S_live * q_hat[tok][:, head_of, None, :])
+        else:
+            S_live, c_t, o_t = mamba2_step(S[live], k_t[:, head_of], q_hat[tok][:, head_of], v[tok].float(),
+                                           beta[tok], decay[tok], gates.D, None if gates.z is None else gates.z[tok])
         S[live] = as_stored(S_live, state.dtype, round_each_token)
         out[tok] = o_t.to(out.dtype)
         if mode == "verify":

@@ -178,7 +178,8 @@ def recurrence_specialization(table: LaunchTable, state_dtype: torch.dtype, H: i
     interpreted = interpreting()
     round_each_token = rounds_each_token(state_dtype, round_each_token)
     key = (id(table), state_dtype, H, HV, K, V, state_row_stride, gates.kind, gates.precomputed,
-           gates.lower_bound is None, use_qk_l2norm, aligned, heads_times_rows, interpreted, replay, round_each_token)
+           gates.lower_bound is None, use_qk_l2norm, aligned, heads_times_rows, interpreted, replay, round_each_token,
+           *_mamba2_flags(gates).values())
     hit = _SPECIALIZATIONS.get(key)
     if hit is not None and hit[0] is table:
         return hit[1]
@@ -188,6 +189,14 @@ def recurrence_specialization(table: LaunchTable, state_dtype: torch.dtype, H: i
         _SPECIALIZATIONS.clear()
     _SPECIALIZATIONS[key] = (table, answer)
     return answer
+
+
+def _mamba2_flags(gates: GateInputs) -> dict:
+    """The constexprs of Mamba2's optional inputs (all false for the other families)."""
+    mamba2 = gates.kind == "mamba2"
+    has_d = mamba2 and gates.D is not None
+    return dict(MAMBA2=mamba2, A_GIVEN=mamba2 and gates.A is not None, DT_LIMIT=mamba2 and gates.dt_limit is not None,
+                HAS_D=has_d, D_PER_CHANNEL=has_d and gates.D.dim() == 2, HAS_Z=mamba2 and gates.z is not None)
 
 
 def _specialize_recurrence(table: LaunchTable, state_dtype: torch.dtype, H: int, HV: int, K: int, V: int,
@@ -202,7 +211,7 @@ def _specialize_recurrence(table: LaunchTable, state_dtype: torch.dtype, H: int,
         ALIGNED=aligned, PTX_WIDEN_BF16=spec.ptx_widen_bf16 and not interpreted,   # PTX: never interpreted
         L2_HINTS=spec.l2_hints, VECTOR_DECAY=gates.vector_decay,
         LOWER_BOUND=gates.lower_bound is not None and not gates.precomputed, INTERPRETED=interpreted,
-        REPLAY=replay, ROUND_EACH_TOKEN=round_each_token)
+        REPLAY=replay, ROUND_EACH_TOKEN=round_each_token, **_mamba2_flags(gates))
     return tile, constexprs, table.options(spec.warps, tile.max_registers)
 
 
@@ -252,16 +261,23 @@ def _launch_recurrence(table: LaunchTable, mode: str, q, k, v, state, state_indi
     snap = snapshot_slots if snapshot_slots is not None else state_indices
     if gates.precomputed:
         a, b, A_log, dt_bias = gates.g, gates.beta, gates.g, gates.g
+    elif gates.kind == "mamba2":     # no beta; A_log's pointer carries A where A is given (A_GIVEN)
+        a, b, dt_bias = gates.a, gates.a, gates.dt_bias
+        A_log = gates.A if gates.A is not None else gates.A_log
     else:
         a, b, A_log, dt_bias = gates.a, gates.b, gates.A_log, gates.dt_bias
     lower_bound = gates.lower_bound if gates.lower_bound is not None else 0.0
+    dt_min, dt_max = gates.dt_limit if gates.dt_limit is not None else (0.0, 0.0)
+    D = gates.D if gates.D is not None else dt_bias          # any valid pointer where unused
+    z = gates.z if gates.z is not None else out
     grid = (triton.cdiv(V, tile.block_v), HV, _grid_axis(f"{mode}: state_indices", B))
-    args = (q, k, v, a, b, A_log, dt_bias, out, state, state_indices, query_start_loc,
+    args = (q, k, v, a, b, A_log, dt_bias, D, z, out, state, state_indices, query_start_loc,
             corr, key, decay, snap, rows, plan, parity,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            a.stride(0), a.stride(1), b.stride(0), out.stride(0), out.stride(1),
+            a.stride(0), a.stride(1), b.stride(0), z.stride(0), z.stride(1), out.stride(0), out.stride(1),
             state.stride(0), state.stride(1), snap.stride(0),
-            T, state.shape[0], null_slot, max_window, scale, lower_bound, MODES[mode], plan_rows, record_rows)
+            T, state.shape[0], null_slot, max_window, scale, lower_bound, dt_min, dt_max, MODES[mode], plan_rows,
+            record_rows)
     return _RECURRENCE(grid, args, constexprs, options, bind=bind)
 
 

@@ -1,4 +1,4 @@
-"""The recurrence kernel of GDN and KDA: verify, native decode and snapshot in one source.
+"""The recurrence kernel of GDN, KDA and Mamba2: verify, native decode and snapshot in one source.
 
 One program owns one (batch row, value head, BV rows of V) state tile and walks the row's window
 token by token with the tile in fp32 registers. The three modes are a *runtime* switch of one
@@ -36,6 +36,12 @@ would compute every channel again: KDA's token loop is 1249 instructions per tok
 way, 2009 that way), then moved into ``k``'s layout (``tile_vector``), so ``S * decay``
 scales column ``j`` by ``decay[j]``; its replay record holds that vector. Everything else, the
 step included, is the same code.
+
+**Mamba2** (``MAMBA2``) has no delta rule: ``q``, ``k``, ``v`` are its ``C``, ``B``, ``x``, its
+step (``mamba2_step``) computes the correction ``dt * x`` without reading the state and its
+output from the updated state, plus ``D * x`` and the ``silu(z)`` gate; the gate is
+``exp(A * dt)`` with ``dt = softplus(dt_raw + dt_bias)`` clamped to ``[dt_min, dt_max]``. Records,
+replay, rounding and stores are the shared code.
 
 **Indices.** Whatever the values: a slot that is not a slot (``numerics.is_slot``) makes a
 padding row (its outputs zero over its whole span, nothing else read or written), a snapshot
@@ -177,16 +183,52 @@ def delta_rule_step(S, k_hat, q_hat, v, beta, decay):
 
 
 @triton.jit
+def mamba2_step(S, B, C, x, dt, decay):
+    """One Mamba2 token on the tile: ``c = dt * x`` (the replay record), ``S = fma(c, B, S * d)``,
+    and the output ``S C`` of the updated state (``D * x`` and the gate are added by the caller).
+    ``B``, ``C`` are laid out like ``k_hat``; ``x``: ``[ROW_LANES, R]``; ``dt``, ``decay``: scalars."""
+    correction = dt * x
+    S = tl.fma(correction[:, :, None, None], B, S * decay)
+    return S, correction, dot_over_k(S, C)
+
+
+@triton.jit
+def mamba2_skip(D_ptr, hv, offs_v, mask_v, V: tl.constexpr, EXACT_V: tl.constexpr, HAS_D: tl.constexpr,
+                D_PER_CHANNEL: tl.constexpr):
+    """The head's ``D`` of Mamba2's skip term ``D * x``: a scalar, or the program's rows of a
+    per-channel ``D`` (0 without ``D``; unused then)."""
+    if HAS_D:
+        if D_PER_CHANNEL:
+            return load_masked(D_ptr + hv * V + offs_v, mask_v, EXACT_V)
+        else:
+            return tl.load(D_ptr + hv)
+    else:
+        return 0.0
+
+
+@triton.jit
+def mamba2_output(y, x, skip, z_ptrs, mask_v, EXACT_V: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr):
+    """Mamba2's output of a token: ``y + D * x``, then times ``silu(z)`` where ``z`` is given."""
+    if HAS_D:
+        y = y + skip * x
+    if HAS_Z:
+        z = load_masked(z_ptrs, mask_v, EXACT_V).to(tl.float32)
+        y = y * (z * sigmoid(z))
+    return y
+
+
+@triton.jit
 def fetch_token(tok, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, stride_q_t, stride_k_t, stride_v_t, stride_a_t,
                 stride_b_t, q_head, k_head, v_head, a_head, hv, offs_k, mask_k, offs_v, mask_v, offs_g, mask_g,
                 present, ALIGNED: tl.constexpr, EXACT_K: tl.constexpr, EXACT_V: tl.constexpr,
-                QK_EVICTION: tl.constexpr, VECTOR_DECAY: tl.constexpr, CHECKED: tl.constexpr):
+                QK_EVICTION: tl.constexpr, VECTOR_DECAY: tl.constexpr, CHECKED: tl.constexpr,
+                MAMBA2: tl.constexpr):
     """Issue the loads of one token's inputs, as stored (``k``, ``q`` broadcast over the row
     lanes, ``v``, the two gate inputs: ``a`` a K-vector in the flat gate layout ``offs_g`` under
     ``VECTOR_DECAY``). The token loop fetches token ``t + 1`` before it works on token ``t``, so
     the loads' latency hides behind a token's arithmetic. ``CHECKED``: every load is masked by
     ``present`` (the first token's fetch, issued before the kernel knows the row has a token:
-    a call may have no token inputs at all)."""
+    a call may have no token inputs at all). ``MAMBA2``: no ``b`` (0 is returned in its place)."""
     tok = tok.to(tl.int64)
     k_ptrs = k_ptr + tok * stride_k_t + k_head + offs_k
     q_ptrs = q_ptr + tok * stride_q_t + q_head + offs_k
@@ -201,7 +243,10 @@ def fetch_token(tok, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, stride_q_t, stride_k_t, 
             a_t = load_masked(a_ptr + tok * stride_a_t + a_head + offs_g, tl.where(present, mask_g, False), False)
         else:
             a_t = load_masked(a_ptr + tok * stride_a_t + a_head, present, False)
-        b_t = load_masked(b_ptr + tok * stride_b_t + hv, present, False)
+        if MAMBA2:
+            b_t = 0.0
+        else:
+            b_t = load_masked(b_ptr + tok * stride_b_t + hv, present, False)
     else:
         k_t = load_masked(k_ptrs, mask_k, EXACT_K, QK_EVICTION)
         q_t = load_masked(q_ptrs, mask_k, EXACT_K, QK_EVICTION)
@@ -210,7 +255,10 @@ def fetch_token(tok, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, stride_q_t, stride_k_t, 
             a_t = load_masked(a_ptr + tok * stride_a_t + a_head + offs_g, mask_g, EXACT_K)
         else:
             a_t = tl.load(a_ptr + tok * stride_a_t + a_head)
-        b_t = tl.load(b_ptr + tok * stride_b_t + hv)
+        if MAMBA2:
+            b_t = 0.0
+        else:
+            b_t = tl.load(b_ptr + tok * stride_b_t + hv)
     return k_t, q_t, v_t, a_t, b_t
 
 
@@ -224,18 +272,26 @@ def tile_vector(x, ROW_LANES: tl.constexpr, K_INNER: tl.constexpr, K_CHUNKS: tl.
 
 
 @triton.jit
-def prepare_token(k_t, q_t, v_t, a_t, b_t, gate_scale, dt_bias, scale, lower_bound,
+def prepare_token(k_t, q_t, v_t, a_t, b_t, gate_scale, dt_bias, scale, lower_bound, dt_min, dt_max,
                   GATES_PRECOMPUTED: tl.constexpr, USE_L2NORM: tl.constexpr, PTX_WIDEN_BF16: tl.constexpr,
-                  LOWER_BOUND: tl.constexpr):
+                  LOWER_BOUND: tl.constexpr, MAMBA2: tl.constexpr, DT_LIMIT: tl.constexpr):
     """One fetched token, ready for the step: ``k^``, ``q^`` (normalized, scaled), ``v``, decay
     and beta, all fp32. The decay is ``exp(gate_scale * softplus(a + dt_bias))`` with
     ``gate_scale = -exp(A_log)``, or with ``LOWER_BOUND`` (KDA's bounded gate)
     ``exp(lower_bound * sigmoid(gate_scale * (a + dt_bias)))`` with ``gate_scale = exp(A_log)``,
     or ``exp(g)`` for precomputed gates (a scalar, or for KDA a K-vector in the flat gate layout:
-    each channel's gate computed once per program, not once per row lane)."""
+    each channel's gate computed once per program, not once per row lane). ``MAMBA2``: ``k``, ``q``
+    as they are (``B``, ``C``), decay ``exp(gate_scale * dt)`` with ``gate_scale = A`` and ``dt =
+    softplus(a + dt_bias)`` clamped to ``[dt_min, dt_max]`` under ``DT_LIMIT``; ``dt`` is returned
+    in beta's place."""
     k_hat = to_fp32(k_t, PTX_WIDEN_BF16)
     q_hat = to_fp32(q_t, PTX_WIDEN_BF16)
     a_t = a_t.to(tl.float32)
+    if MAMBA2:
+        dt = softplus(a_t + dt_bias)
+        if DT_LIMIT:
+            dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+        return k_hat, q_hat, to_fp32(v_t, PTX_WIDEN_BF16), tl.exp(gate_scale * dt), dt
     b_t = b_t.to(tl.float32)
     if USE_L2NORM:
         k_hat = k_hat * inverse_l2_norm(k_hat)
@@ -278,9 +334,14 @@ def store_records(corr_ptr, key_ptr, decay_ptr, row64, i_v, hv, h, t, max_window
 
 @triton.jit
 def gate_constants(A_log_ptr, dt_bias_ptr, hv, offs_g, mask_g, K: tl.constexpr, EXACT_K: tl.constexpr,
-                   GATES_PRECOMPUTED: tl.constexpr, VECTOR_DECAY: tl.constexpr, LOWER_BOUND: tl.constexpr):
-    """The value head's constants of the raw gates: ``(gate_scale, dt_bias)`` (``prepare_token``)."""
-    if GATES_PRECOMPUTED:
+                   GATES_PRECOMPUTED: tl.constexpr, VECTOR_DECAY: tl.constexpr, LOWER_BOUND: tl.constexpr,
+                   A_GIVEN: tl.constexpr):
+    """The value head's constants of the raw gates: ``(gate_scale, dt_bias)`` (``prepare_token``);
+    ``A_GIVEN`` (Mamba2 given ``A``, not ``A_log``): ``gate_scale`` is ``A`` as it is."""
+    if A_GIVEN:
+        gate_scale = tl.load(A_log_ptr + hv)
+        dt_bias = tl.load(dt_bias_ptr + hv)
+    elif GATES_PRECOMPUTED:
         gate_scale = 0.0
         dt_bias = 0.0
     else:
@@ -358,29 +419,32 @@ def replay_pending(S, corr_ptr, key_ptr, decay_ptr, rec_row, hv, h, max_window, 
 # it can (see launch.py). The one exception is REPLAY, a verify that replays a deferred commit
 # first: the same token-loop source in a binary of its own, compared bit for bit with the eager
 # path by the tests (docs/DESIGN.md, "Deferred commits").
-_TOKEN_POINTERS = ["q_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr", "A_log_ptr", "dt_bias_ptr", "out_ptr",
+_TOKEN_POINTERS = ["q_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr", "A_log_ptr", "dt_bias_ptr", "D_ptr", "z_ptr", "out_ptr",
                    "state_indices_ptr", "qsl_ptr", "corr_ptr", "key_ptr", "decay_ptr", "snapshot_ptr",
                    "pending_rows_ptr", "plan_ptr", "parity_ptr"]
 _RUNTIME_SCALARS = ["stride_q_t", "stride_q_h", "stride_k_t", "stride_k_h", "stride_v_t", "stride_v_h",
-                    "stride_a_t", "stride_a_h", "stride_b_t", "stride_o_t", "stride_o_h", "stride_snap_row",
-                    "num_tokens", "num_slots", "null_slot", "max_window", "scale", "lower_bound", "mode",
+                    "stride_a_t", "stride_a_h", "stride_b_t", "stride_z_t", "stride_z_h", "stride_o_t", "stride_o_h",
+                    "stride_snap_row", "num_tokens", "num_slots", "null_slot", "max_window", "scale", "lower_bound",
+                    "dt_min", "dt_max", "mode",
                     "plan_rows", "record_rows"]
 
 
 @triton.jit(do_not_specialize=_RUNTIME_SCALARS, do_not_specialize_on_alignment=_TOKEN_POINTERS)
 def recurrence_kernel(
-    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, D_ptr, z_ptr, out_ptr,
     state_ptr, state_indices_ptr, qsl_ptr,
     corr_ptr, key_ptr, decay_ptr, snapshot_ptr, pending_rows_ptr, plan_ptr, parity_ptr,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
-    stride_a_t, stride_a_h, stride_b_t, stride_o_t, stride_o_h,
+    stride_a_t, stride_a_h, stride_b_t, stride_z_t, stride_z_h, stride_o_t, stride_o_h,
     stride_s_slot, stride_s_h, stride_snap_row,
-    num_tokens, num_slots, null_slot, max_window, scale, lower_bound, mode, plan_rows, record_rows,
+    num_tokens, num_slots, null_slot, max_window, scale, lower_bound, dt_min, dt_max, mode, plan_rows, record_rows,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, STRIDE_S_V: tl.constexpr,
     K_PAD: tl.constexpr, K_INNER: tl.constexpr, ROWS: tl.constexpr, ROW_LANES: tl.constexpr,
     GATES_PRECOMPUTED: tl.constexpr, USE_L2NORM: tl.constexpr, ALIGNED: tl.constexpr,
     PTX_WIDEN_BF16: tl.constexpr, L2_HINTS: tl.constexpr, VECTOR_DECAY: tl.constexpr,
     LOWER_BOUND: tl.constexpr, INTERPRETED: tl.constexpr, REPLAY: tl.constexpr, ROUND_EACH_TOKEN: tl.constexpr,
+    MAMBA2: tl.constexpr, A_GIVEN: tl.constexpr, DT_LIMIT: tl.constexpr, HAS_D: tl.constexpr,
+    D_PER_CHANNEL: tl.constexpr, HAS_Z: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     hv = tl.program_id(1)
@@ -433,14 +497,15 @@ def recurrence_kernel(
         state_tile = state_ptr + source.to(tl.int64) * stride_s_slot + hv * stride_s_h
         S = load_masked(state_tile + tile, mask_tile, EXACT, STATE_EVICTION).to(tl.float32)
         gate_scale, dt_bias = gate_constants(A_log_ptr, dt_bias_ptr, hv, offs_g, mask_g, K, EXACT_K, GATES_PRECOMPUTED,
-                                             VECTOR_DECAY, LOWER_BOUND)
+                                             VECTOR_DECAY, LOWER_BOUND, A_GIVEN)
+        skip = mamba2_skip(D_ptr, hv, offs_v, mask_v, V, EXACT_V, HAS_D, D_PER_CHANNEL)
         # The first token's loads go out with the state's, before the replay: the replay's select
         # waits for the state, and a fetch behind it would add a second memory latency to every
         # program (a row without tokens, which may still replay its pending step, loads nothing).
         fetched = fetch_token(tl.maximum(tl.minimum(start, num_tokens - 1), 0), q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
                               stride_q_t, stride_k_t, stride_v_t, stride_a_t, stride_b_t, q_head, k_head,
                               v_head, a_head, hv, offs_k, mask_k, offs_v, mask_v, offs_g, mask_g, length > 0, ALIGNED,
-                              EXACT_K, EXACT_V, QK_EVICTION, VECTOR_DECAY, True)
+                              EXACT_K, EXACT_V, QK_EVICTION, VECTOR_DECAY, True, MAMBA2)
         if REPLAY:
             S = replay_pending(S, corr_ptr, key_ptr, decay_ptr, read_row, hv, h, max_window, replay_len, boundary,
                                boundary_len, final, state_ptr, stride_s_slot, stride_s_h, tile, mask_tile, offs_v,
@@ -454,11 +519,15 @@ def recurrence_kernel(
             fetched = fetch_token(start + tl.minimum(t + 1, length - 1), q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
                                   stride_q_t, stride_k_t, stride_v_t, stride_a_t, stride_b_t, q_head, k_head,
                                   v_head, a_head, hv, offs_k, mask_k, offs_v, mask_v, offs_g, mask_g, True,
-                                  ALIGNED, EXACT_K, EXACT_V, QK_EVICTION, VECTOR_DECAY, False)
+                                  ALIGNED, EXACT_K, EXACT_V, QK_EVICTION, VECTOR_DECAY, False, MAMBA2)
             k_hat, q_hat, v_t, decay, beta = prepare_token(k_t, q_t, v_t, a_t, b_t, gate_scale, dt_bias, scale,
-                                                           lower_bound, GATES_PRECOMPUTED, USE_L2NORM,
-                                                           PTX_WIDEN_BF16, LOWER_BOUND)
-            if VECTOR_DECAY:
+                                                           lower_bound, dt_min, dt_max, GATES_PRECOMPUTED, USE_L2NORM,
+                                                           PTX_WIDEN_BF16, LOWER_BOUND, MAMBA2, DT_LIMIT)
+            if MAMBA2:
+                S, correction, o_t = mamba2_step(S, k_hat, q_hat, v_t, beta, decay)
+                o_t = mamba2_output(o_t, v_t, skip, z_ptr + (start + t).to(tl.int64) * stride_z_t + hv * stride_z_h
+                                    + offs_v, mask_v, EXACT_V, HAS_D, HAS_Z)
+            elif VECTOR_DECAY:
                 S, correction, o_t = delta_rule_step(S, k_hat, q_hat, v_t, beta,
                                                      tile_vector(decay, ROW_LANES, K_INNER, K_CHUNKS))
             else:
