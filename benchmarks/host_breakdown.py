@@ -126,6 +126,7 @@ def whole_calls(w, step, ctx, index_sets, backend: str, out) -> dict:
 def verify_pieces(w, backend: str, out) -> list:
     import recoverssm as rs
     from recoverssm.core.arguments import check_recurrence
+    from recoverssm.core.backend import RecurrenceCall
     from recoverssm.core.ops import OPS, backend_for
     from recoverssm.core.repeats import REPEATS, call_key
 
@@ -142,14 +143,15 @@ def verify_pieces(w, backend: str, out) -> list:
                              null_slot=-1, round_each_token=rec.round_each_token, out=out, backend=backend,
                              check=None, correction=rec.correction,
                              key=rec.key, decay=rec.decay)
+    gate_args = dict(a=w.a, b=w.b, A_log=w.A_log, dt_bias=w.dt_bias, g=None, beta=None)
     checks = functools.partial(check_recurrence, "gdn_verify", "gdn", "verify", w.q, w.k, w.v, w.state,
-                               w.state_indices, w.query_start_loc, w.a, w.b, w.A_log, w.dt_bias, None, None, None,
-                               True, -1, rec.round_each_token, out, records, None, None, None)
+                               w.state_indices, w.query_start_loc, gate_args, None, True, -1, rec.round_each_token,
+                               out, records, None, None)
     args = checks()
     be = backend_for("gdn_verify", backend, w.state.device)
-    run = functools.partial(be.recurrence, "verify", w.q, w.k, w.v, w.state, w.state_indices, w.query_start_loc,
-                            args.gates, args.scale, True, -1, out, records, None,
-                            round_each_token=rec.round_each_token)
+    run = functools.partial(be.recurrence, RecurrenceCall("verify", w.q, w.k, w.v, w.state, w.state_indices,
+                                                          w.query_start_loc, args.gates, args.scale, True, -1, out,
+                                                          records, None, round_each_token=rec.round_each_token))
     api()
     api()                 # on a GPU the second call binds its launch; later calls repeat it
     bound = REPEATS.bound_launch("gdn_verify", op.args)
@@ -170,8 +172,9 @@ def verify_pieces(w, backend: str, out) -> list:
     if table is not None:     # a Triton backend: its launcher, without the device guard
         from recoverssm.backends.triton import launch
         rows.append(("verify", "    launch.recurrence (launcher)", functools.partial(
-            launch.recurrence, table, "verify", w.q, w.k, w.v, w.state, w.state_indices, w.query_start_loc,
-            args.gates, args.scale, True, -1, out, records, None)))
+            launch.recurrence, table, RecurrenceCall("verify", w.q, w.k, w.v, w.state, w.state_indices,
+                                                     w.query_start_loc, args.gates, args.scale, True, -1, out,
+                                                     records, None))))
     return rows
 
 

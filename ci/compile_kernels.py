@@ -62,7 +62,7 @@ def compile_one(fn, constexprs, pointer_types, options, arch):
 
 def cases(table: LaunchTable, K=128, V=128, H=16, HV=48):
     """Every specialization the cuda backend launches at these head sizes: the recurrence for
-    GDN and KDA, raw and precomputed gates, fp32 and bf16 states (bf16 in both rounding modes), on
+    GDN and KDA, raw and precomputed gates (and Mamba2 at Nemotron-H's sizes, two input forms), fp32 and bf16 states (bf16 in both rounding modes), on
     the large-grid tile and the small-grid one, with and without the pending replay; both conv
     kernels; the plan; the commit and the flush for both state dtypes (and modes) and both decays;
     the defer kernels."""
@@ -70,7 +70,7 @@ def cases(table: LaunchTable, K=128, V=128, H=16, HV=48):
                                 "request_indices_ptr", "block_table_ptr", "num_computed_ptr",
                                 "commit_len_ptr", "final_ptr", "boundary_ptr", "boundary_len_ptr",
                                 "pending_rows_ptr", "plan_ptr", "parity_ptr", "flush_rows_ptr", "rows_ptr")}
-    floats = {"scale": "fp32", "lower_bound": "fp32"}
+    floats = {"scale": "fp32", "lower_bound": "fp32", "dt_min": "fp32", "dt_max": "fp32"}
     # a bf16 pool with round_each_token (the default) and without (the state rounded only where stored)
     states = ((torch.float32, "*fp32", True), (torch.bfloat16, "*bf16", True), (torch.bfloat16, "*bf16", False))
     for state_dtype, state, rounding in states:
@@ -87,6 +87,20 @@ def cases(table: LaunchTable, K=128, V=128, H=16, HV=48):
                            constexprs, {**ints, **floats, "state_ptr": state, "q_ptr": "*bf16", "k_ptr": "*bf16",
                                         "v_ptr": "*bf16", "out_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16"},
                            options)
+    # Mamba2 at Nemotron-H's layer (dstate 128, headdim 64, 8 groups of 128 heads): D per head and a
+    # dt_limit (the models' form); D per channel, z and A given
+    d_head, d_channel = torch.empty(HV), torch.empty(HV, V)
+    forms = (("D per head, dt_limit", GateInputs(a=1, kind="mamba2", D=d_head, dt_limit=(0.001, float("inf")))),
+             ("D per channel, z, A", GateInputs(a=1, kind="mamba2", D=d_channel, z=1, A=1)))
+    for (state_dtype, state, rounding), (form, gates) in itertools.product(states, forms):
+        for (grid, heads_times_rows), replay in itertools.product((("large", None), ("small", 1)), (False, True)):
+            tile, constexprs, options = recurrence_specialization(
+                table, state_dtype, 8, 128, 128, 64, 128, gates, False, True, heads_times_rows, replay, rounding)
+            yield (f"mamba2 recurrence {form} state={state}{'' if rounding else ' store-rounded'} {grid} grid"
+                   f"{' replay' if replay else ''}", recurrence_kernel, constexprs,
+                   {**ints, **floats, "state_ptr": state, "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
+                    "out_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "D_ptr": "*fp32", "z_ptr": "*bf16"},
+                   options)
     conv = dict(WIDTH=4, DILATION=1, BD=table.conv.block, HAS_BIAS=True, SILU=True, INTERPRETED=False)
     conv_types = {**ints, "x_ptr": "*bf16", "conv_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16",
                   "out_ptr": "*bf16"}

@@ -14,7 +14,7 @@ import threading
 
 import torch
 
-from recoverssm.core.backend import Backend, Committer, GateInputs, GroupStep, Launch, PendingInputs
+from recoverssm.core.backend import Backend, Committer, GateInputs, GroupStep, Launch, PendingInputs, RecurrenceCall
 from recoverssm.core.hookspecs import hookimpl
 from recoverssm.core.layout import tensor_at, tensor_layout
 from recoverssm.core.registry import registry
@@ -31,19 +31,23 @@ class _Frozen:
         self.layout = tensor_layout(t)
 
 
+#: the argument objects whose tensors a bound launch keeps as layouts (slotted classes whose
+#: constructors take every slot by name)
+HOLDERS = (GateInputs, GroupStep, PendingInputs, RecurrenceCall)
+
+
+def _rebuilt(value, convert):
+    return type(value)(**{n: convert(getattr(value, n)) for n in type(value).__slots__})
+
+
 def freeze(value):
-    """Tensors (also inside tuples, gates and group steps) replaced by their layouts."""
+    """Tensors (also inside tuples and the argument objects) replaced by their layouts."""
     if isinstance(value, torch.Tensor):
         return _Frozen(value)
     if isinstance(value, (list, tuple)):
         return type(value)(freeze(v) for v in value)
-    if isinstance(value, GateInputs):
-        return GateInputs(*(freeze(getattr(value, n)) for n in ("a", "b", "A_log", "dt_bias", "g", "beta")),
-                          kind=value.kind, lower_bound=value.lower_bound)
-    if isinstance(value, GroupStep):
-        return GroupStep(*(freeze(getattr(value, n)) for n in GroupStep.__slots__))
-    if isinstance(value, PendingInputs):
-        return PendingInputs(*(freeze(getattr(value, n)) for n in PendingInputs.__slots__))
+    if isinstance(value, HOLDERS):
+        return _rebuilt(value, freeze)
     return value
 
 
@@ -53,13 +57,8 @@ def thaw(value):
         return tensor_at(value.layout)
     if isinstance(value, (list, tuple)):
         return type(value)(thaw(v) for v in value)
-    if isinstance(value, GateInputs):
-        return GateInputs(*(thaw(getattr(value, n)) for n in ("a", "b", "A_log", "dt_bias", "g", "beta")),
-                          kind=value.kind, lower_bound=value.lower_bound)
-    if isinstance(value, GroupStep):
-        return GroupStep(*(thaw(getattr(value, n)) for n in GroupStep.__slots__))
-    if isinstance(value, PendingInputs):
-        return PendingInputs(*(thaw(getattr(value, n)) for n in PendingInputs.__slots__))
+    if isinstance(value, HOLDERS):
+        return _rebuilt(value, thaw)
     return value
 
 
@@ -107,8 +106,8 @@ class ReplayingBackend(Backend):
     def conv_decode(self, *args, bind=False):
         return self._through_op(bind, self.ref().conv_decode, args)
 
-    def recurrence(self, *args, pending=None, round_each_token=True, bind=False):
-        return self._through_op(bind, self.ref().recurrence, args, pending=pending, round_each_token=round_each_token)
+    def recurrence(self, call, *, bind=False):
+        return self._through_op(bind, self.ref().recurrence, (call,))
 
     def plan_commit(self, *args):
         self.ref().plan_commit(*args)

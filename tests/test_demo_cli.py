@@ -223,10 +223,11 @@ class _OneUlpOffDecode(CpuRefBackend):
 
     name = "cpu_ref_off_by_one_ulp"
 
-    def recurrence(self, mode, q, k, v, state, state_indices, query_start_loc, gates, *args, **kwargs):
-        super().recurrence(mode, q, k, v, state, state_indices, query_start_loc, gates, *args, **kwargs)
-        if mode == "decode":
-            for slot in state_indices.tolist():
+    def recurrence(self, call, **kwargs):
+        super().recurrence(call, **kwargs)
+        state = call.state
+        if call.mode == "decode":
+            for slot in call.state_indices.tolist():
                 if slot >= 0:
                     state[slot, 0, 0, 0] = torch.nextafter(state[slot, 0, 0, 0].float(),
                                                            torch.tensor(float("inf"))).to(state.dtype)
@@ -289,12 +290,13 @@ class _OneUlpOffReplay(CpuRefBackend):
 
     name = "cpu_ref_replay_off_by_one_ulp"
 
-    def recurrence(self, mode, q, k, v, state, state_indices, *args, pending=None, **kwargs):
-        super().recurrence(mode, q, k, v, state, state_indices, *args, pending=pending, **kwargs)
+    def recurrence(self, call, **kwargs):
+        super().recurrence(call, **kwargs)
+        pending, state = call.pending, call.state
         if pending is None or pending.rows is None:
             return
         commit_len = pending.plan[0, 0].tolist()
-        for slot, prev in zip(state_indices.tolist(), pending.rows.tolist()):
+        for slot, prev in zip(call.state_indices.tolist(), pending.rows.tolist()):
             if slot >= 0 and prev >= 0 and commit_len[prev] > 0:
                 state.view({2: torch.int16, 4: torch.int32}[state.element_size()])[slot, 0, 0, 0] += 1
 

@@ -40,7 +40,7 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, os.path.dirname(__file__))
 import recoverssm as rs  # noqa: E402
-from recoverssm.core.backend import CommitLayer, GateInputs, GroupStep  # noqa: E402
+from recoverssm.core.backend import CommitLayer, GateInputs, GroupStep, RecurrenceCall  # noqa: E402
 from recoverssm.core.indices import INT32_MAX, INT32_MIN, is_slot  # noqa: E402
 from safety_problems import (BF16, CHECK_FLAGS, F32, I32, NULL_SLOTS, OUT_SENTINEL, Dims,  # noqa: E402
                              GuardedFlat, GuardedOut, GuardedPool, Snapshot, Step, assert_close_rel,
@@ -275,8 +275,8 @@ class RecurrenceRun:
 def call_recurrence_kernel(c: RecurrenceCase, run: RecurrenceRun, name: str) -> None:
     gates = GateInputs(**c.gates.tensors, kind=c.kind, lower_bound=c.gates.lower_bound)
     scale = c.d.K ** -0.5 if c.scale is None else c.scale
-    backend(name).recurrence(c.mode, c.q, c.k, c.v, run.pool.view, c.si, c.qsl_t, gates, scale, c.l2, c.null_slot,
-                             run.out.view, run.record_views(), c.snap_t)
+    backend(name).recurrence(RecurrenceCall(c.mode, c.q, c.k, c.v, run.pool.view, c.si, c.qsl_t, gates, scale, c.l2,
+                                            c.null_slot, run.out.view, run.record_views(), c.snap_t))
 
 
 def call_recurrence_api(c: RecurrenceCase, run: RecurrenceRun, name: str, check: Optional[bool] = None) -> None:
@@ -1115,9 +1115,9 @@ def test_misaligned_out_keeps_tokens_outside_every_row(name, how, api):
         rs.gdn_verify(c.q, c.k, c.v, state=run.pool.view, state_indices=c.si, query_start_loc=c.qsl_t,
                       records=rs.ReplayRecords(*run.record_views()), out=out, backend=name, **c.gates.tensors)
     else:
-        backend(name).recurrence("verify", c.q, c.k, c.v, run.pool.view, c.si, c.qsl_t,
-                                 GateInputs(**c.gates.tensors, kind="gdn"), 8 ** -0.5, True, -1, out,
-                                 run.record_views(), None)
+        backend(name).recurrence(RecurrenceCall("verify", c.q, c.k, c.v, run.pool.view, c.si, c.qsl_t,
+                                                GateInputs(**c.gates.tensors, kind="gdn"), 8 ** -0.5, True, -1, out,
+                                                run.record_views(), None))
     for t in (0, 4, 5):                     # before the first row, after the last
         assert_same_bits(out[t], before[offset + t * V:offset + (t + 1) * V].view(1, V),
                          f"token {t}, outside every row,")

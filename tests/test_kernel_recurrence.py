@@ -77,22 +77,22 @@ def launch_every_mode(p, cfg, snapshot_slots=None):
     the pool after native decode and, given ``snapshot_slots``, the pool after snapshot (else
     None)."""
     from recoverssm.backends.triton import launch
-    from recoverssm.core.backend import GateInputs
+    from recoverssm.core.backend import GateInputs, RecurrenceCall
 
     args = (p.q, p.k, p.v)
     tail = (GateInputs(**p.gates), p.dims.K ** -0.5, True, -1)
     rec = p.records()
     out = torch.empty_like(p.v)
-    launch.recurrence(cfg, "verify", *args, p.state, p.state_indices, p.qsl, *tail, out,
-                         (rec.correction, rec.key, rec.decay), None)
+    launch.recurrence(cfg, RecurrenceCall("verify", *args, p.state, p.state_indices, p.qsl, *tail, out,
+                                          (rec.correction, rec.key, rec.decay), None))
     native = p.state.clone()
-    launch.recurrence(cfg, "decode", *args, native, p.state_indices, p.qsl, *tail,
-                         torch.empty_like(p.v), None, None)
+    launch.recurrence(cfg, RecurrenceCall("decode", *args, native, p.state_indices, p.qsl, *tail,
+                                          torch.empty_like(p.v), None, None))
     snapshots = None
     if snapshot_slots is not None:
         snapshots = p.state.clone()
-        launch.recurrence(cfg, "snapshot", *args, snapshots, p.state_indices, p.qsl, *tail,
-                             torch.empty_like(p.v), None, snapshot_slots)
+        launch.recurrence(cfg, RecurrenceCall("snapshot", *args, snapshots, p.state_indices, p.qsl, *tail,
+                                              torch.empty_like(p.v), None, snapshot_slots))
     return out, rec, native, snapshots
 
 
@@ -183,7 +183,7 @@ def test_state_with_padded_rows(s):
 def test_kernels_ignore_out_of_range_indices(s):
     """Called below validation, bad slots and lengths read and write nothing out of bounds:
     such rows are treated as padding (zero output) and the state pool is untouched."""
-    from recoverssm.core.backend import GateInputs
+    from recoverssm.core.backend import GateInputs, RecurrenceCall
 
     p = make_batch_problem([3, 2, 2], T=3, **dims(s))
     backend = rs.get_backend("cuda", p.q.device)
@@ -193,9 +193,9 @@ def test_kernels_ignore_out_of_range_indices(s):
     out = torch.full_like(p.v, 7.0)
     state_before = p.state.clone()
     for mode in ("verify", "decode"):
-        backend.recurrence(mode, p.q, p.k, p.v, p.state, bad_slots, p.qsl,
-                              GateInputs(**p.gates), 0.25, True, -1, out,
-                              (rec.correction, rec.key, rec.decay), None)
+        backend.recurrence(RecurrenceCall(mode, p.q, p.k, p.v, p.state, bad_slots, p.qsl,
+                                          GateInputs(**p.gates), 0.25, True, -1, out,
+                                          (rec.correction, rec.key, rec.decay), None))
         assert torch.count_nonzero(out) == 0
         assert torch.equal(p.state, state_before)
         assert torch.equal(rec.correction, rec_before)
@@ -265,7 +265,7 @@ def test_every_recurrence_tile(s, tile):
     that use several K chunks, a padded K and a partial last V block: verify agrees with cpu_ref,
     and commit == native decode bit for bit under that configuration."""
     from recoverssm.backends.triton import launch
-    from recoverssm.core.backend import GateInputs
+    from recoverssm.core.backend import GateInputs, RecurrenceCall
 
     device = s["device"]
     cfg = recurrence_table(**tile)
@@ -278,8 +278,9 @@ def test_every_recurrence_tile(s, tile):
         gates = GateInputs(**p.gates)
         rec = p.records()
         out = torch.empty_like(p.v)
-        launch.recurrence(cfg, "verify", p.q, p.k, p.v, p.state, p.state_indices, p.qsl,
-                             gates, K ** -0.5, True, -1, out, (rec.correction, rec.key, rec.decay), None)
+        launch.recurrence(cfg, RecurrenceCall("verify", p.q, p.k, p.v, p.state, p.state_indices, p.qsl,
+                                              gates, K ** -0.5, True, -1, out, (rec.correction, rec.key, rec.decay),
+                                              None))
         ref_out, ref_rec = verify(pc, "cpu_ref")
         assert rel_err(out, ref_out) < FP32_TOL, (K, V)
         for name in ("correction", "key", "decay"):
@@ -287,7 +288,7 @@ def test_every_recurrence_tile(s, tile):
         committed = p.state.clone()
         commit(p, committed, rec, accepted_tensor([4] * p.B, p), "cuda")
         native = p.state.clone()
-        launch.recurrence(cfg, "decode", p.q.contiguous(), p.k.contiguous(), p.v.contiguous(), native,
-                             p.state_indices, p.qsl, gates, K ** -0.5, True, -1,
-                             torch.empty_like(p.v), None, None)
+        launch.recurrence(cfg, RecurrenceCall("decode", p.q.contiguous(), p.k.contiguous(), p.v.contiguous(), native,
+                                              p.state_indices, p.qsl, gates, K ** -0.5, True, -1,
+                                              torch.empty_like(p.v), None, None))
         assert torch.equal(committed, native), (K, V)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recoverssm.core.backend import GateInputs
+from recoverssm.core.backend import GateInputs, RecurrenceCall
 from recoverssm.core.registry import registry
 
 from helpers import backends, device_of
@@ -78,7 +78,7 @@ def test_recurrences_zero_each_padding_rows_span(backend, mode, kind, case):
     before = [t.clone() for t in (out, state, *(records or ()))]
     slots = torch.tensor([-1, -2, -1], dtype=I32, device=dev)
     qsl = torch.tensor(QSLS[case], dtype=I32, device=dev)
-    be.recurrence(mode, q, k, v, state, slots, qsl, gates, K ** -0.5, True, -1, out, records, snapshot)
+    be.recurrence(RecurrenceCall(mode, q, k, v, state, slots, qsl, gates, K ** -0.5, True, -1, out, records, snapshot))
     assert torch.equal(out.cpu(), _expected(before[0].cpu(), QSLS[case]))
     for got, want in zip((state, *(records or ())), before[1:]):
         assert torch.equal(got, want)

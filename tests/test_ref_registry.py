@@ -39,9 +39,9 @@ class SpyBackend(CpuRefBackend):
     def unavailable_reason(self):
         return "" if self._available else "spy says no"
 
-    def recurrence(self, mode, *args, **kwargs):
-        self.calls.append(mode)
-        return super().recurrence(mode, *args, **kwargs)
+    def recurrence(self, call, **kwargs):
+        self.calls.append(call.mode)
+        return super().recurrence(call, **kwargs)
 
 
 class SpyPlugin:

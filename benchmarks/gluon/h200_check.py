@@ -44,7 +44,7 @@ from typing import Callable, Optional
 import torch
 
 import recoverssm as rs
-from recoverssm.core.backend import GateInputs
+from recoverssm.core.backend import GateInputs, RecurrenceCall
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import recurrence as gluon_recurrence  # noqa: E402
@@ -150,8 +150,8 @@ def reference_runner() -> Runner:
     backend = rs.get_backend("cpu_ref")
 
     def run(mode, p: Problem, state, out, records, snapshot_slots):
-        backend.recurrence(mode, p.q, p.k, p.v, state, p.state_indices, p.qsl, p.gates, p.scale, True,
-                           NULL_SLOT, out, records, snapshot_slots)
+        backend.recurrence(RecurrenceCall(mode, p.q, p.k, p.v, state, p.state_indices, p.qsl, p.gates, p.scale, True,
+                                          NULL_SLOT, out, records, snapshot_slots))
     return run
 
 

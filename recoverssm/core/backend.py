@@ -106,15 +106,10 @@ class Backend(ABC):
         the row's slot by one token, the new token last."""
 
     @abstractmethod
-    def recurrence(self, mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   state: torch.Tensor, state_indices: torch.Tensor,
-                   query_start_loc: torch.Tensor, gates: "GateInputs", scale: float,
-                   use_qk_l2norm: bool, null_slot: int, out: torch.Tensor,
-                   records: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-                   snapshot_slots: Optional[torch.Tensor], *, pending: "Optional[PendingInputs]" = None,
-                   round_each_token: bool = True, bind: bool = False) -> Optional[Launch]:
-        """The recurrence of ``gates.kind`` (GDN, KDA, Mamba2) over each row's window, in one of
-        three modes (Mamba2: ``q``, ``k``, ``v`` are ``C``, ``B``, ``x``; ``scale`` 1, no norm):
+    def recurrence(self, call: "RecurrenceCall", *, bind: bool = False) -> Optional[Launch]:
+        """The recurrence of ``call.gates.kind`` (GDN, KDA, Mamba2) over each row's window, in one
+        of three modes, ``call.mode`` (:class:`RecurrenceCall`; Mamba2: ``q``, ``k``, ``v`` are
+        ``C``, ``B``, ``x``; ``scale`` 1, no norm):
 
         ``"verify"``: read the checkpoint, write ``out`` and ``records``; never write ``state``
         (but where a row replays its ``pending`` step first: its final and boundary slots).
@@ -195,6 +190,42 @@ class PendingInputs:
 
     def __init__(self, plan, rows, parity):
         self.plan, self.rows, self.parity = plan, rows, parity
+
+
+class RecurrenceCall:
+    """One call of a recurrence op, as its backend receives it (checked): the mode and everything
+    the op passes, so that the backends, the launchers and the reference take one object instead
+    of restating the argument list.
+
+    ``mode``: ``"verify"``, ``"decode"`` or ``"snapshot"``. ``q``, ``k``: ``[T, H, K]``; ``v``,
+    ``out``: ``[T, HV, V]`` (Mamba2: ``C``, ``B``, ``x`` in these roles); ``state``: ``[num_slots,
+    HV, V, K]``; ``state_indices``: int32 ``[B]``; ``query_start_loc``: int32 ``[B + 1]``;
+    ``gates``: :class:`GateInputs` (its ``kind`` is the family); ``scale``: of ``q^`` (1 for
+    Mamba2); ``use_qk_l2norm``; ``null_slot``; ``records``: ``(correction, key, decay)`` in verify,
+    else ``None``; ``snapshot_slots``: int32 ``[B, T_max]`` in snapshot mode, else ``None``;
+    ``pending``: a verify's :class:`PendingInputs` (a deferred step to replay first) or ``None``;
+    ``round_each_token``: round the running state to ``state``'s dtype after every token."""
+
+    __slots__ = ("mode", "q", "k", "v", "state", "state_indices", "query_start_loc", "gates", "scale",
+                 "use_qk_l2norm", "null_slot", "out", "records", "snapshot_slots", "pending", "round_each_token")
+
+    def __init__(self, mode: str, q, k, v, state, state_indices, query_start_loc, gates: "GateInputs", scale: float,
+                 use_qk_l2norm: bool, null_slot: int, out, records=None, snapshot_slots=None,
+                 pending: "Optional[PendingInputs]" = None, round_each_token: bool = True):
+        self.mode, self.q, self.k, self.v, self.state = mode, q, k, v, state
+        self.state_indices, self.query_start_loc, self.gates, self.scale = state_indices, query_start_loc, gates, scale
+        self.use_qk_l2norm, self.null_slot, self.out, self.records = use_qk_l2norm, null_slot, out, records
+        self.snapshot_slots, self.pending, self.round_each_token = snapshot_slots, pending, round_each_token
+
+    def replace(self, **changes) -> "RecurrenceCall":
+        """A copy with ``changes`` (for example the token inputs packed by a launcher)."""
+        return RecurrenceCall(**{name: changes.get(name, getattr(self, name)) for name in self.__slots__})
+
+    @property
+    def written(self) -> tuple:
+        """The tensors the call may write: ``out``, the state, the records, a pending plan."""
+        return (self.state, self.out, *(self.records or ()),
+                self.pending.plan if self.pending is not None else None)
 
 
 class CommitLayer:

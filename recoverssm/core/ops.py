@@ -36,7 +36,7 @@ import torch
 
 from . import registry as _registry
 from .arguments import check_conv, check_plan, check_recurrence
-from .backend import Backend, PendingInputs
+from .backend import Backend, PendingInputs, RecurrenceCall
 from .commit_op import repeat_args, run_commit_op, run_defer_op, run_flush_op
 from .registry import registry
 from .repeats import REPEATS
@@ -133,10 +133,10 @@ def _recurrence(kind: str, mode: str, op: str):
         be = backend_for(op, backend, state.device)
         if pending is not None:          # the family's capability too
             _registry.backend_for(op, kind, backend, state.device)
-        return be.recurrence(mode, q, k, v, state, state_indices, query_start_loc, args.gates, args.scale,
-                             use_qk_l2norm, null_slot, out, records, snapshot_slots,
-                             pending=None if pending is None else PendingInputs(*pending),
-                             round_each_token=round_each_token, bind=bind)
+        return be.recurrence(RecurrenceCall(
+            mode, q, k, v, state, state_indices, query_start_loc, args.gates, args.scale, use_qk_l2norm, null_slot,
+            out, records, snapshot_slots, None if pending is None else PendingInputs(*pending), round_each_token),
+            bind=bind)
 
     return impl
 

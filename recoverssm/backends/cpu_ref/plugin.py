@@ -32,12 +32,9 @@ class CpuRefBackend(Backend):
         with versions_kept((conv_state, out)):
             conv.conv_decode(x, conv_state, weight, bias, state_indices, silu, dilation, null_slot, out)
 
-    def recurrence(self, mode, q, k, v, state, state_indices, query_start_loc, gates, scale,
-                   use_qk_l2norm, null_slot, out, records, snapshot_slots, *, pending=None, round_each_token=True,
-                   bind=False):
-        with versions_kept((state, out, *(records or ()), pending.plan if pending is not None else None)):
-            recurrence.recurrence(mode, q, k, v, state, state_indices, query_start_loc, gates, scale,
-                                  use_qk_l2norm, null_slot, out, records, snapshot_slots, pending, round_each_token)
+    def recurrence(self, call, *, bind=False):
+        with versions_kept(call.written):
+            recurrence.recurrence(call)
 
     def plan_commit(self, num_accepted, state_indices, query_start_loc, request_indices,
                     block_table, num_computed_tokens, block_size, null_slot, num_slots, out):

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ...core.backend import GateInputs, PendingInputs
+from ...core.backend import GateInputs, PendingInputs, RecurrenceCall
 from ...core.indices import is_slot
 from ...core.plan import plan_entry
 from ...core.types import PLAN_FIELDS
@@ -134,32 +134,30 @@ def _pending_first(state, records, pending: Optional[PendingInputs], slots: list
                                                 (1 - parity) * buffer_rows, round_each_token)
 
 
-def recurrence(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor,
-               state_indices: torch.Tensor, query_start_loc: torch.Tensor, gates: GateInputs,
-               scale: float, use_qk_l2norm: bool, null_slot: int, out: torch.Tensor,
-               records: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-               snapshot_slots: Optional[torch.Tensor], pending: Optional[PendingInputs] = None,
-               round_each_token: bool = True) -> None:
+def recurrence(call: RecurrenceCall) -> None:
     """See :meth:`recoverssm.core.backend.Backend.recurrence`.
 
     ``q``, ``k``: ``[T_total, H, K]``; ``v``, ``out``: ``[T_total, HV, V]``; ``state``:
     ``[num_slots, HV, V, K]``; ``records`` = (correction, key, decay) fp32 workspaces (with
     ``pending``: double-buffered, this call writing the buffer ``pending.parity``).
     """
+    mode, q, k, v, state, gates = call.mode, call.q, call.k, call.v, call.state, call.gates
+    records, snapshot_slots, null_slot, out = call.records, call.snapshot_slots, call.null_slot, call.out
+    round_each_token = call.round_each_token
     H, HV = q.shape[1], v.shape[1]
     group = HV // H
     max_len = records[0].shape[2] if mode == "verify" else snapshot_slots.shape[1] if mode == "snapshot" else None
-    starts, spans, lengths = row_bounds(query_start_loc, q.shape[0], max_len)
+    starts, spans, lengths = row_bounds(call.query_start_loc, q.shape[0], max_len)
     num_slots = state.shape[0]
-    slots = state_indices.tolist()
-    write_base, replayed = _pending_first(state, records, pending, slots, null_slot, max_len, round_each_token)
+    slots = call.state_indices.tolist()
+    write_base, replayed = _pending_first(state, records, call.pending, slots, null_slot, max_len, round_each_token)
     rows = [r for r in range(len(slots)) if is_slot(slots[r], null_slot, num_slots) and lengths[r] > 0]
     for r in range(len(slots)):
         if not is_slot(slots[r], null_slot, num_slots):    # padding: zero output, nothing else
             out[starts[r]:starts[r] + spans[r]] = 0
     if not rows:
         return
-    q_hat, k_hat, decay, beta = _token_inputs(q, k, gates, scale, use_qk_l2norm)
+    q_hat, k_hat, decay, beta = _token_inputs(q, k, gates, call.scale, call.use_qk_l2norm)
     head_of = torch.arange(HV) // group
     S = torch.stack([replayed[r] if r in replayed else state[slots[r]].float() for r in rows])
     for t in range(max(lengths[r] for r in rows)):

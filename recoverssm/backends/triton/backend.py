@@ -81,15 +81,10 @@ class TritonBackend(Backend):
             return self.launch_on(x.device, launch.conv_decode(self.table, x, conv_state, weight, bias, state_indices,
                                                                silu, dilation, null_slot, out, bind))
 
-    def recurrence(self, mode, q, k, v, state, state_indices, query_start_loc, gates, scale,
-                   use_qk_l2norm, null_slot, out, records, snapshot_slots, *, pending=None,
-                   round_each_token=True, bind=False) -> Optional[Launch]:
+    def recurrence(self, call, *, bind=False) -> Optional[Launch]:
         from . import launch
-        with self.device_guard(q.device):
-            return self.launch_on(q.device, launch.recurrence(self.table, mode, q, k, v, state, state_indices,
-                                                              query_start_loc, gates, scale, use_qk_l2norm,
-                                                              null_slot, out, records, snapshot_slots, bind, pending,
-                                                              round_each_token))
+        with self.device_guard(call.q.device):
+            return self.launch_on(call.q.device, launch.recurrence(self.table, call, bind))
 
     def launch_on(self, device: torch.device, bound) -> Optional[Launch]:
         """A bound launch (``DirectLauncher``'s, or ``None``) as a :class:`Launch` that makes

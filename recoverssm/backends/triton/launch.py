@@ -15,7 +15,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 import triton
 
-from ...core.backend import CommitLayer, Committer, GateInputs, GroupStep, PendingInputs
+from ...core.backend import CommitLayer, Committer, GateInputs, GroupStep, PendingInputs, RecurrenceCall
 from ...core.pointers import PointerEncoding
 from ...core.types import conv_history
 from . import commit as commit_kernels
@@ -215,28 +215,24 @@ def _specialize_recurrence(table: LaunchTable, state_dtype: torch.dtype, H: int,
     return tile, constexprs, table.options(spec.warps, tile.max_registers)
 
 
-def recurrence(table: LaunchTable, mode: str, q, k, v, state, state_indices, query_start_loc,
-               gates: GateInputs, scale: float, use_qk_l2norm: bool, null_slot: int, out,
-               records, snapshot_slots, bind: bool = False, pending: Optional[PendingInputs] = None,
-               round_each_token: bool = True) -> Optional[Bound]:
-    """Launch the recurrence; with ``bind``, return the launch bound to the caller's tensors'
-    addresses (``None`` where it launched on packed copies of misaligned tensors, or did not
-    launch). ``pending``: a verify that replays a deferred step first (its records are then
-    double-buffered). ``round_each_token``: the running state rounded to the pool's dtype after
-    every token."""
-    packed = _aligned_token_inputs(q, k, v, out)
-    launch = _launch_recurrence(table, mode, *packed[:3], state, state_indices, query_start_loc, gates, scale,
-                                use_qk_l2norm, null_slot, packed[3], records, snapshot_slots, packed[4], bind,
-                                pending, round_each_token)
-    if packed[3] is not out:
-        out.copy_(packed[3])
-    return launch if all(x is y for x, y in zip(packed, (q, k, v, out))) else None
+def recurrence(table: LaunchTable, call: RecurrenceCall, bind: bool = False) -> Optional[Bound]:
+    """Launch the recurrence (:class:`~recoverssm.core.backend.RecurrenceCall`); with ``bind``,
+    return the launch bound to the caller's tensors' addresses (``None`` where it launched on
+    packed copies of misaligned tensors, or did not launch)."""
+    q, k, v, out, aligned = _aligned_token_inputs(call.q, call.k, call.v, call.out)
+    packed = (q, k, v, out)
+    same = all(x is y for x, y in zip(packed, (call.q, call.k, call.v, call.out)))
+    launch = _launch_recurrence(table, call if same else call.replace(q=q, k=k, v=v, out=out), aligned, bind)
+    if out is not call.out:
+        call.out.copy_(out)
+    return launch if same else None
 
 
-def _launch_recurrence(table: LaunchTable, mode: str, q, k, v, state, state_indices, query_start_loc,
-                       gates: GateInputs, scale: float, use_qk_l2norm: bool, null_slot: int, out,
-                       records, snapshot_slots, aligned: bool, bind: bool = False,
-                       pending: Optional[PendingInputs] = None, round_each_token: bool = True) -> Optional[Bound]:
+def _launch_recurrence(table: LaunchTable, call: RecurrenceCall, aligned: bool,
+                       bind: bool = False) -> Optional[Bound]:
+    mode, q, k, v, state, gates, out = call.mode, call.q, call.k, call.v, call.state, call.gates, call.out
+    records, snapshot_slots, pending = call.records, call.snapshot_slots, call.pending
+    state_indices = call.state_indices
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     B = state_indices.shape[0]
@@ -244,7 +240,8 @@ def _launch_recurrence(table: LaunchTable, mode: str, q, k, v, state, state_indi
     if B == 0 or (T == 0 and not replay):
         return None
     tile, constexprs, options = recurrence_specialization(table, state.dtype, H, HV, K, V, state.stride(2), gates,
-                                                          use_qk_l2norm, aligned, HV * B, replay, round_each_token)
+                                                          call.use_qk_l2norm, aligned, HV * B, replay,
+                                                          call.round_each_token)
     plan_rows = record_rows = 0
     plan = parity = rows = state_indices                # unused without a pending step
     if mode == "verify":
@@ -271,13 +268,13 @@ def _launch_recurrence(table: LaunchTable, mode: str, q, k, v, state, state_indi
     D = gates.D if gates.D is not None else dt_bias          # any valid pointer where unused
     z = gates.z if gates.z is not None else out
     grid = (triton.cdiv(V, tile.block_v), HV, _grid_axis(f"{mode}: state_indices", B))
-    args = (q, k, v, a, b, A_log, dt_bias, D, z, out, state, state_indices, query_start_loc,
+    args = (q, k, v, a, b, A_log, dt_bias, D, z, out, state, state_indices, call.query_start_loc,
             corr, key, decay, snap, rows, plan, parity,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             a.stride(0), a.stride(1), b.stride(0), z.stride(0), z.stride(1), out.stride(0), out.stride(1),
             state.stride(0), state.stride(1), snap.stride(0),
-            T, state.shape[0], null_slot, max_window, scale, lower_bound, dt_min, dt_max, MODES[mode], plan_rows,
-            record_rows)
+            T, state.shape[0], call.null_slot, max_window, call.scale, lower_bound, dt_min, dt_max, MODES[mode],
+            plan_rows, record_rows)
     return _RECURRENCE(grid, args, constexprs, options, bind=bind)
 
 
