@@ -62,8 +62,9 @@ def compile_one(fn, constexprs, pointer_types, options, arch):
 
 def cases(table: LaunchTable, K=128, V=128, H=16, HV=48):
     """Every specialization the cuda backend launches at these head sizes: the recurrence for
-    GDN and KDA, raw and precomputed gates (and Mamba2 at Nemotron-H's sizes, two input forms), fp32 and bf16 states (bf16 in both rounding modes), on
-    the large-grid tile and the small-grid one, with and without the pending replay; both conv
+    GDN and KDA, raw and precomputed gates (and Mamba2 at Nemotron-H's sizes, two input forms),
+    fp32 and bf16 states (bf16 in both rounding modes), on the large-grid tile and the small-grid
+    one, with and without the pending replay; both conv
     kernels; the plan; the commit and the flush for both state dtypes (and modes) and both decays;
     the defer kernels."""
     ints = {n: "*i32" for n in ("state_indices_ptr", "qsl_ptr", "snapshot_ptr", "num_accepted_ptr",
