@@ -4,7 +4,7 @@
 #   tests      the GPU tests: every test that runs the cuda backend on the GPU
 #   sanitize   compute-sanitizer memcheck and racecheck on benchmarks/sanitize_case.py
 #   gluon      benchmarks/gluon/h200_check.py --quick (the Gluon recurrence experiment)
-#   bench      recoverssm bench (every suite but the model suite)
+#   bench      recoverssm bench (every suite but the model suite and rounding)
 #   model      recoverssm bench --only model
 #   smoke      recoverssm bench --quick (every suite, a few cases each)
 set -u
@@ -32,7 +32,7 @@ for step in "$@"; do
     gluon)
       timeout 300 python3 benchmarks/gluon/h200_check.py --quick 2>&1 | tee "$OUT/gluon_check.log" | tail -30 ;;
     bench)
-      bench --out "$OUT" --only commit,verify,kda,graph,host,memory 2>&1 | tee "$OUT/bench.log" | tail -90 ;;
+      bench --out "$OUT" --only commit,verify,kda,mamba2,graph,host,memory 2>&1 | tee "$OUT/bench.log" | tail -90 ;;
     model)
       bench --out "$OUT" --only model 2>&1 | tee "$OUT/bench_model.log" | tail -60 ;;
     smoke)
