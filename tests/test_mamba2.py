@@ -229,3 +229,42 @@ def test_custom_op_schema_names_the_mamba2_inputs():
                  "float? dt_min", "float? dt_max"):
         assert name in schema
     assert "scale" not in schema and "use_qk_l2norm" not in schema
+
+
+def test_verify_matches_transformers_mamba2_mixer():
+    """transformers' ``Mamba2Mixer`` (fp32, random weights, a ``time_step_limit``) over a prompt:
+    the SSM output it hands its gated norm equals ``mamba2_verify`` on the inputs it computed
+    (``x``, ``B``, ``C`` views of its conv output, its raw ``dt``, its ``A_log``, ``dt_bias``,
+    ``D``), from a zero state, within fp32 rounding."""
+    pytest.importorskip("transformers")
+    from transformers import Mamba2Config
+    from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer
+
+    H, P, N, G, T = 8, 16, 16, 2, 7
+    cfg = Mamba2Config(hidden_size=64, num_heads=H, head_dim=P, state_size=N, n_groups=G, num_hidden_layers=1,
+                       vocab_size=100, chunk_size=4, time_step_limit=(0.01, 0.5))
+    torch.manual_seed(0)
+    mixer = Mamba2Mixer(cfg, layer_idx=0).eval()
+    with torch.no_grad():
+        mixer.A_log.copy_(torch.randn(H) * 0.5)
+        mixer.dt_bias.copy_(torch.randn(H) * 0.5 - 1.0)
+        mixer.D.copy_(torch.randn(H))
+    seen = {}
+    mixer.norm.register_forward_pre_hook(lambda m, args: seen.update(y=args[0].detach()))
+    hs = torch.randn(1, T, 64)
+    with torch.no_grad():
+        mixer(hs)
+        z_xbc_dt = mixer.in_proj(hs)[0]
+        _, xbc, dt = z_xbc_dt.split([H * P, mixer.conv_dim, H], dim=-1)
+        w = mixer.conv1d.weight[:, 0]                                             # [conv_dim, width]
+        padded = F.pad(xbc.T, (w.shape[1] - 1, 0))
+        y_conv = F.silu(F.conv1d(padded[None], w[:, None], mixer.conv1d.bias, groups=mixer.conv_dim)[0].T).contiguous()
+        x, B, C = y_conv.split([H * P, G * N, G * N], dim=-1)
+        state = torch.zeros(1, H, P, N)
+        out = rs.mamba2_verify(x.unflatten(-1, (H, P)), B.unflatten(-1, (G, N)), C.unflatten(-1, (G, N)), dt,
+                               state=state, state_indices=torch.tensor([0], dtype=I32),
+                               query_start_loc=torch.tensor([0, T], dtype=I32),
+                               records=rs.ReplayRecords.allocate(1, T, G, H, N, P), dt_bias=mixer.dt_bias,
+                               A_log=mixer.A_log, D=mixer.D, dt_limit=cfg.time_step_limit, backend="cpu_ref")
+    want = seen["y"][0].view(T, H, P)
+    assert torch.allclose(out, want, rtol=1e-4, atol=1e-5 * want.abs().max())
