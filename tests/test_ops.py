@@ -1,7 +1,7 @@
 """The ops as torch.library custom ops: schemas that state exactly what each op writes,
 ``torch.library.opcheck`` for every op (cpu_ref, and the Triton backend under the interpreter or
 on a GPU), and a multi-layer speculative step that compiles with ``fullgraph=True`` and gives the
-eager bits, records included."""
+eager bits, records included (a GDN and a Mamba2 layer)."""
 from __future__ import annotations
 
 
@@ -26,7 +26,15 @@ WRITES = {
     "gdn_spec_decode_snapshot": {"state", "out"}, "kda_spec_decode_snapshot": {"state", "out"},
     "plan_commit": set(), "commit": {"states", "conv_states"}, "defer": {"plan", "parity"},
     "flush": {"states", "conv_states", "plan"},
+    "mamba2_verify": {"correction", "key", "decay", "out"},
+    "mamba2_verify_pending": {"state", "correction", "key", "decay", "out", "pending_plan"},
+    "mamba2_decode": {"state", "out"}, "mamba2_spec_decode_snapshot": {"state", "out"},
 }
+
+
+def test_every_op_is_listed():
+    from recoverssm.core.ops import OPS
+    assert set(WRITES) == set(OPS)
 
 
 @pytest.mark.parametrize("name", sorted(WRITES))
@@ -55,6 +63,7 @@ def layer(dev, seed, kind="gdn", buffers=1):
     t = {n: v.to(dev) for n, v in t.items()}
     t["records"] = rs.ReplayRecords.allocate(3, 4, H, HV, K, V, device=dev, vector_decay=kind == "kda",
                                              buffers=buffers)
+    t["kind"] = kind
     return t
 
 
@@ -83,6 +92,7 @@ def test_opcheck_every_op(backend):
                             max_batch=3, backend=backend, deferred=True)
     kpending, kdrec = kctx.pending, kdl["records"]
     rows = torch.tensor([0, -1, 1], dtype=I32, device=dev)
+    z = torch.randn_like(v)
     calls = [
         (ops.conv_verify, (s["x"], gl["conv"], gl["w"], gl["bias"], s["state_indices"], s["qsl"], True, 1, -1,
                            torch.empty_like(s["x"]), None, None, backend, None)),
@@ -118,6 +128,18 @@ def test_opcheck_every_op(backend):
                                         backend, None)),
         (ops.plan_commit, (s["num_accepted"], s["state_indices"], s["qsl"], None, None, None, None, -1, None,
                            backend, None)),
+        # Mamba2: q, k, v in the roles of C, B, x; dt, dt_bias, A_log, A, D, z, dt_min, dt_max
+        (ops.mamba2_verify, (q, k, v, gl["state"], s["state_indices"], s["qsl"], rec.correction, rec.key, rec.decay,
+                             s["a"], gl["dt_bias"], gl["A_log"], None, gl["A_log"], z, 0.001, None, -1, True, out,
+                             backend, None)),
+        (ops.mamba2_verify_pending, (q, k, v, dl["state"], s["state_indices"], s["qsl"], drec.correction, drec.key,
+                                     drec.decay, s["a"], dl["dt_bias"], dl["A_log"], None, None, None, None, None, -1,
+                                     True, out, pending.plan, rows, pending.parity, backend, None)),
+        (ops.mamba2_decode, (q, k, v, gl["state"], s["state_indices"], s["qsl"], s["a"], gl["dt_bias"], None,
+                             -torch.exp(gl["A_log"]), gl["A_log"], None, None, 0.5, -1, True, out, backend, None)),
+        (ops.mamba2_spec_decode_snapshot, (q, k, v, gl["state"], s["state_indices"], s["qsl"], snaps, s["a"],
+                                           gl["dt_bias"], gl["A_log"], None, None, z, None, None, -1, False, out,
+                                           backend, None)),
         (ops.commit, ([gl["state"], kl["state"]], [gl["conv"]], [rec.correction, krec.correction],
                       [rec.key, krec.key], [rec.decay, krec.decay], [0, 0], [WIDTH, 0], [1, 1], [True, False],
                       s["num_accepted"], s["qsl"], [s["state_indices"]], [None], [None], [None], [0], -1, 3, 0,
@@ -135,9 +157,12 @@ def run_step(layers, ctx, s, backend):
         y = rs.conv_verify(s["x"], lay["conv"], lay["w"], lay["bias"], state_indices=s["state_indices"],
                            query_start_loc=s["qsl"], backend=backend)
         q, k, v = split(y)
-        outs.append(rs.gdn_verify(q, k, v, state=lay["state"], state_indices=s["state_indices"],
-                                  query_start_loc=s["qsl"], records=lay["records"], a=s["a"], b=s["b"],
-                                  A_log=lay["A_log"], dt_bias=lay["dt_bias"], backend=backend))
+        common = dict(state=lay["state"], state_indices=s["state_indices"], query_start_loc=s["qsl"],
+                      records=lay["records"], A_log=lay["A_log"], dt_bias=lay["dt_bias"], backend=backend)
+        if lay["kind"] == "mamba2":      # the conv's channels in the roles of x, B, C
+            outs.append(rs.mamba2_verify(v, k, q, s["a"], D=lay["A_log"], dt_limit=(0.001, None), **common))
+        else:
+            outs.append(rs.gdn_verify(q, k, v, a=s["a"], b=s["b"], **common))
     ctx.commit(s["num_accepted"], s["state_indices"], s["qsl"])
     return torch.stack(outs)
 
@@ -148,7 +173,7 @@ def test_compiled_step_has_no_graph_break_and_eager_bits(backend):
     results = []
     for compiled in (False, True):
         torch._dynamo.reset()
-        layers = [layer(dev, i) for i in range(2)]
+        layers = [layer(dev, 0), layer(dev, 1, "mamba2")]
         s = step_inputs(dev)
         ctx = rs.CommitContext([[rs.LayerCache(lay["state"], lay["records"], lay["conv"], conv_width=WIDTH)
                                  for lay in layers]], max_batch=3, backend=backend)
