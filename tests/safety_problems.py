@@ -582,6 +582,11 @@ class Gates:
 def make_gates(kind: str, T: int, HV: int, K: int, act_dtype: torch.dtype, precomputed: bool,
                lower_bound: Optional[float], gen: torch.Generator) -> Gates:
     per_token = (T, HV, K) if kind == "kda" else (T, HV)
+    if kind == "mamba2":          # raw dt, its bias, the decay rate and the skip D per head
+        return Gates(kind, {"dt": torch.randn(T, HV, generator=gen).to(act_dtype),
+                            "dt_bias": torch.randn(HV, generator=gen).float(),
+                            "A_log": (torch.randn(HV, generator=gen) * 0.5).float(),
+                            "D": torch.randn(HV, generator=gen).float()})
     if precomputed:
         g = (-torch.rand(*per_token, generator=gen) * 2).float()
         beta = torch.rand(T, HV, generator=gen).float()

@@ -158,7 +158,9 @@ def api_refuses(fam: OpFamily, c, name: str, culprit: str) -> None:
 # ================================================================================================
 RECURRENCE_OPS = {("gdn", "verify"): "gdn_verify", ("gdn", "decode"): "gdn_decode",
                   ("gdn", "snapshot"): "gdn_spec_decode_snapshot", ("kda", "verify"): "kda_verify",
-                  ("kda", "decode"): "kda_decode", ("kda", "snapshot"): "kda_spec_decode_snapshot"}
+                  ("kda", "decode"): "kda_decode", ("kda", "snapshot"): "kda_spec_decode_snapshot",
+                  ("mamba2", "verify"): "mamba2_verify", ("mamba2", "decode"): "mamba2_decode",
+                  ("mamba2", "snapshot"): "mamba2_spec_decode_snapshot"}
 
 
 @dataclass
@@ -236,7 +238,7 @@ def draw_recurrence(draw, kind: str, mode: str, adversarial: Optional[bool] = No
               for r in range(B)] if mode == "snapshot" else None)
     act_dtype = draw(st.sampled_from([F32, F32, BF16]))
     state_dtype = draw(st.sampled_from([F32, F32, BF16]))
-    precomputed = draw(st.booleans())
+    precomputed = draw(st.booleans()) and kind != "mamba2"      # Mamba2 has one gate form
     lower_bound = draw(st.sampled_from([None, -4.0])) if kind == "kda" and not precomputed else None
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
     q = torch.randn(T, d.H, d.K, generator=gen).to(act_dtype)
@@ -273,23 +275,30 @@ class RecurrenceRun:
 
 
 def call_recurrence_kernel(c: RecurrenceCase, run: RecurrenceRun, name: str) -> None:
-    gates = GateInputs(**c.gates.tensors, kind=c.kind, lower_bound=c.gates.lower_bound)
-    scale = c.d.K ** -0.5 if c.scale is None else c.scale
-    backend(name).recurrence(RecurrenceCall(c.mode, c.q, c.k, c.v, run.pool.view, c.si, c.qsl_t, gates, scale, c.l2,
+    if c.kind == "mamba2":       # q, k, v in the roles of C, B, x; no scale, no norm
+        t = c.gates.tensors
+        gates = GateInputs(a=t["dt"], dt_bias=t["dt_bias"], A_log=t["A_log"], D=t["D"], kind="mamba2")
+        scale, l2 = 1.0, False
+    else:
+        gates = GateInputs(**c.gates.tensors, kind=c.kind, lower_bound=c.gates.lower_bound)
+        scale, l2 = c.d.K ** -0.5 if c.scale is None else c.scale, c.l2
+    backend(name).recurrence(RecurrenceCall(c.mode, c.q, c.k, c.v, run.pool.view, c.si, c.qsl_t, gates, scale, l2,
                                             c.null_slot, run.out.view, run.record_views(), c.snap_t))
 
 
 def call_recurrence_api(c: RecurrenceCase, run: RecurrenceRun, name: str, check: Optional[bool] = None) -> None:
-    kw = dict(state=run.pool.view, state_indices=c.si, query_start_loc=c.qsl_t, scale=c.scale,
-              use_qk_l2norm=c.l2, null_slot=c.null_slot, out=run.out.view, backend=name, check=check,
-              **c.gates.tensors)
+    kw = dict(state=run.pool.view, state_indices=c.si, query_start_loc=c.qsl_t, null_slot=c.null_slot,
+              out=run.out.view, backend=name, check=check, **c.gates.tensors)
     if c.kind == "kda":
         kw["lower_bound"] = c.gates.lower_bound
     if c.mode == "verify":
         kw["records"] = rs.ReplayRecords(*run.record_views())
     if c.mode == "snapshot":
         kw["snapshot_slots"] = c.snap_t
-    getattr(rs, c.op)(c.q, c.k, c.v, **kw)
+    if c.kind == "mamba2":       # x, B, C, dt: the tensors in the roles of v, k, q
+        getattr(rs, c.op)(c.v, c.k, c.q, kw.pop("dt"), **kw)
+    else:
+        getattr(rs, c.op)(c.q, c.k, c.v, scale=c.scale, use_qk_l2norm=c.l2, **kw)
 
 
 def check_tokens(out: GuardedOut, rows, live: list, T: int, what: str) -> list:
@@ -353,7 +362,7 @@ RECURRENCE = OpFamily(RecurrenceRun, call_recurrence_kernel, call_recurrence_api
 
 
 RECURRENCE_KERNEL_CASES = [("gdn", "verify"), ("gdn", "decode"), ("gdn", "snapshot"), ("kda", "verify"),
-                           ("kda", "snapshot")]
+                           ("kda", "snapshot"), ("mamba2", "verify"), ("mamba2", "decode"), ("mamba2", "snapshot")]
 
 
 @pytest.mark.parametrize("name", BACKENDS)
@@ -366,7 +375,8 @@ def test_recurrence_kernels_treat_bad_indices_as_padding(name, kind, mode):
 
 
 @pytest.mark.parametrize("name", BACKENDS)
-@pytest.mark.parametrize("kind,mode", [("gdn", "verify"), ("gdn", "decode"), ("gdn", "snapshot"), ("kda", "verify")])
+@pytest.mark.parametrize("kind,mode", [("gdn", "verify"), ("gdn", "decode"), ("gdn", "snapshot"), ("kda", "verify"),
+                                       ("mamba2", "verify"), ("mamba2", "snapshot")])
 def test_recurrence_api_refuses_bad_values_and_writes_nothing(name, kind, mode):
     def body(draw):
         c = draw_recurrence(draw, kind, mode)
