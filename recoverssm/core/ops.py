@@ -49,8 +49,6 @@ BackendArg = Union[str, Backend, None]
 NAMESPACE = "recoverssm"
 LIB = torch.library.Library(NAMESPACE, "DEF")
 
-_GATES = "Tensor? a, Tensor? b, Tensor? A_log, Tensor? dt_bias, Tensor? g, Tensor? beta"
-_TOKENS = "Tensor q, Tensor k, Tensor v"
 _TAIL = "str backend, bool? check"
 _LAYERS = ("Tensor(a!)[] states, Tensor(b!)[] conv_states, Tensor[] corrections, Tensor[] keys, Tensor[] decays, "
            "int[] groups, int[] conv_widths, int[] conv_dilations, bool[] round_each_token")
