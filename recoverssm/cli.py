@@ -178,8 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     pi.add_argument("--json", action="store_true", help="print JSON")
     pi.set_defaults(func=cmd_info)
 
-    pd = sub.add_parser("demo", help="speculative decoding of a tiny GDN model, checked bit for bit "
-                                     "against per-token decoding")
+    pd = sub.add_parser("demo", help="speculative decoding of a tiny GDN, KDA or Mamba2 hybrid model, checked "
+                                     "bit for bit against per-token decoding")
     from recoverssm.demo.cli import add_arguments as demo_arguments
     demo_arguments(pd)
     pd.set_defaults(func=cmd_demo)

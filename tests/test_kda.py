@@ -216,7 +216,7 @@ def test_gdn_and_kda_layers_in_one_context(backend):
 def test_records_of_the_other_kind_are_refused():
     p, d = kda_problem([2], [0])
     before = p["state"].clone()
-    with pytest.raises(ValueError, match=r"^kda_verify: records hold a scalar decay \(GDN\)"):
+    with pytest.raises(ValueError, match=r"^kda_verify: records hold a scalar decay \(GDN, Mamba2\)"):
         rs.kda_verify(p["q"], p["k"], p["v"], state=p["state"], state_indices=p["state_indices"],
                       query_start_loc=p["query_start_loc"], records=records_for(d, vector_decay=False), **p["gates"])
     gdn_gates = dict(a=torch.randn(2, d["HV"]), b=torch.randn(2, d["HV"]), A_log=torch.zeros(d["HV"]),

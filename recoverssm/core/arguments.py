@@ -48,8 +48,8 @@ def check_records(c: Checker, name: str, correction, key, decay,
         c.tensor(f"{name}.decay", decay, dims=3)
     vector = decay.dim() == 4
     if vector_decay is not None and vector != vector_decay:
-        have, want = ("a vector decay (KDA)", "a scalar decay (GDN)") if vector else ("a scalar decay (GDN)",
-                                                                                       "a vector decay (KDA)")
+        scalar, per_channel = "a scalar decay (GDN, Mamba2)", "a vector decay (KDA)"
+        have, want = (per_channel, scalar) if vector else (scalar, per_channel)
         c.fail(name, f"hold {have}; this op records {want}: allocate them with "
                      f"vector_decay={not vector}")
     c.tensor(f"{name}.decay", decay, dtypes=F32, contiguous=True,
@@ -205,7 +205,7 @@ def _conv_values(c: Checker, x, conv_state, weight, state_indices, query_start_l
 
 
 # ------------------------------------------------------------------------------------------------
-# the recurrence (GDN and KDA; verify, decode, snapshot)
+# the recurrences (GDN, KDA, Mamba2; verify, decode, snapshot)
 # ------------------------------------------------------------------------------------------------
 class RecurrenceArgs(NamedTuple):
     gates: GateInputs
