@@ -342,6 +342,14 @@ class TinyModel:
         conv_w[:, -1] += 1.0  # mostly pass the current token through, as trained convs do
         return conv_w
 
+    def _mlp_weights(self, randn) -> dict:
+        """The small MLP that ends every layer (drawn last in each layer, so every kind draws its
+        other weights as before)."""
+        c = self.cfg
+        return dict(mlp_norm=1.0 + randn(c.hidden, std=0.1),
+                    w_up=randn(c.hidden, c.mlp_hidden, std=1 / math.sqrt(c.hidden)),
+                    w_down=randn(c.mlp_hidden, c.hidden, std=0.15 / math.sqrt(c.mlp_hidden)))
+
     def _delta_weights(self, randn, uniform) -> LayerWeights:
         """A GDN or KDA layer."""
         c = self.cfg
@@ -355,9 +363,7 @@ class TinyModel:
             dt_bias=randn(*c.gate_shape, std=0.5),
             o_norm=1.0 + randn(c.V, std=0.1),
             w_out=randn(c.HV * c.V, c.hidden, std=0.3 / math.sqrt(c.HV * c.V)),
-            mlp_norm=1.0 + randn(c.hidden, std=0.1),
-            w_up=randn(c.hidden, c.mlp_hidden, std=1 / math.sqrt(c.hidden)),
-            w_down=randn(c.mlp_hidden, c.hidden, std=0.15 / math.sqrt(c.mlp_hidden)),
+            **self._mlp_weights(randn),
         )
 
     def _mamba2_weights(self, randn, uniform) -> LayerWeights:
@@ -380,9 +386,7 @@ class TinyModel:
             # GDN's; the layers then move the logits about as much (and the drafts are accepted
             # about as often) as in the GDN model.
             w_out=randn(c.HV * c.V, c.hidden, std=0.15 / math.sqrt(c.HV * c.V)),
-            mlp_norm=1.0 + randn(c.hidden, std=0.1),
-            w_up=randn(c.hidden, c.mlp_hidden, std=1 / math.sqrt(c.hidden)),
-            w_down=randn(c.mlp_hidden, c.hidden, std=0.15 / math.sqrt(c.mlp_hidden)),
+            **self._mlp_weights(randn),
         )
 
     def _attention_weights(self, randn) -> AttentionWeights:
@@ -392,9 +396,7 @@ class TinyModel:
             norm=1.0 + randn(c.hidden, std=0.1),
             w_qkv=randn(c.hidden, heads + 2 * c.attn_kv_heads * c.attn_head_dim, std=1 / math.sqrt(c.hidden)),
             w_o=randn(heads, c.hidden, std=0.15 / math.sqrt(heads)),   # a modest correction, as w_out
-            mlp_norm=1.0 + randn(c.hidden, std=0.1),
-            w_up=randn(c.hidden, c.mlp_hidden, std=1 / math.sqrt(c.hidden)),
-            w_down=randn(c.mlp_hidden, c.hidden, std=0.15 / math.sqrt(c.mlp_hidden)),
+            **self._mlp_weights(randn),
         )
 
     # ---- the non-recurrent pieces, one token at a time -------------------------------------------
