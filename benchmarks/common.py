@@ -118,8 +118,9 @@ def label(config: dict) -> str:
 
 def table_with(table, kernel: str, dtype: torch.dtype, spec):
     """``table`` with ``spec`` as kernel ``kernel``'s (``"recurrence"``, ``"commit"``) spec for
-    state dtype ``dtype``."""
-    return dataclasses.replace(table, **{kernel: {**getattr(table, kernel), dtype: spec}})
+    state dtype ``dtype``, for every head size (the table's entries for ``(dtype, V)`` dropped)."""
+    specs = {key: s for key, s in getattr(table, kernel).items() if not (isinstance(key, tuple) and key[0] == dtype)}
+    return dataclasses.replace(table, **{kernel: {**specs, dtype: spec}})
 
 
 # ------------------------------------------------------------------------------------------------

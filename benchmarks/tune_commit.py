@@ -12,13 +12,14 @@ dtype (``recoverssm/backends/cuda/launch_table.py``; ``--base default`` starts f
 inside ``recoverssm.backends.triton.tuning.launch_table``; the case's ``CommitContext`` is built
 inside that block (a context fixes its launch when it is built). Fields: ``block_v``, ``warps``,
 ``max_registers``, ``tiles_per_program``, ``prefetch_records``, ``prefetch_next_tile``,
-``replay_pairs`` (``config.CommitSpec``).
+``replay_pairs``, ``ptx_round_bf16`` (``config.CommitSpec``).
 
 Cases (H=16, K=V=128, T=4): the benchmark's align-mode commits (groups x layers, requests, state
 dtype; ``recoverssm/bench/problems.py::align_step``) and the commit of its speculative step (one
 layer, fp32 state, row r accepting ``1 + 7r mod T`` tokens, input sets rotated out of L2), and
 the commit of the KDA benchmark's step (vector-decay records, HV = 32, N = 64 at T = 8 and N = 8
-at T = 4). Per
+at T = 4), and the commit of the Mamba2 benchmark's step (Nemotron-H-8B's layer, fp32 and bf16
+states, N = 64 at T = 2, 4, 8 and N = 256 at T = 8; ``--cases mamba2``). Per
 configuration and case: the median device time of ``CommitContext.commit`` (CUDA graph replays)
 and its ratio to a device copy of the same traffic (states read and written, records read).
 Prints a table and writes ``$OUT/tune_commit.json`` when ``OUT`` is set. ``--compile`` compiles
@@ -107,6 +108,26 @@ def kda_step_case(N, T, HV, device, copies):
                 commit_traffic(state, HV, int(accepted.sum())))
 
 
+def mamba2_step_case(N, T, dtype, device, copies):
+    """The commit of the Mamba2 benchmark's speculative step (``recoverssm/bench/mamba2.py``): one
+    Nemotron-H-8B layer (128 heads, headdim 64, dstate 128, 8 groups), row r accepting
+    ``1 + 7r mod T`` tokens (real verify records)."""
+    import recoverssm as rs
+    from recoverssm.bench.mamba2 import GEOMETRIES, commit_traffic, mamba2_window
+    from recoverssm.bench.problems import spread_accepted
+
+    g = GEOMETRIES[0]
+    state = N * g.nheads * g.headdim * g.dstate * torch.tensor([], dtype=dtype).element_size()
+    wins = [mamba2_window(g, N, T, dtype, seed=i, device=device) for i in range(copies(state))]
+    accepted = spread_accepted(N, T, device)
+    for w in wins:
+        w.verify()
+    return Case(f"mamba2 step N{N} T{T} {common.TRITON_NAMES[dtype]}", dtype,
+                [[[rs.LayerCache(w.state, w.records)]] for w in wins], N,
+                [((accepted, w.state_indices, w.query_start_loc), {}) for w in wins],
+                commit_traffic(state, g, int(accepted.sum())))
+
+
 def default_configs(k: int) -> list[dict]:
     """block_v x warps, where a thread holds 4 to 128 state elements."""
     return [dict(block_v=bv, warps=w) for bv, w in itertools.product(BLOCK_V, WARPS) if 4 <= bv * k // (32 * w) <= 128]
@@ -174,7 +195,10 @@ def main():
                     ("spec step N64 HV32", functools.partial(spec_step_case, 64, 4, hv32, device, copies_for)),
                     ("spec step N64 HV48", functools.partial(spec_step_case, 64, 4, hv48, device, copies_for)),
                     ("kda step N64 T8", functools.partial(kda_step_case, 64, 8, 32, device, copies_for)),
-                    ("kda step N8 T4", functools.partial(kda_step_case, 8, 4, 32, device, copies_for))]
+                    ("kda step N8 T4", functools.partial(kda_step_case, 8, 4, 32, device, copies_for)),
+                    *((f"mamba2 step N{N} T{T} {name}", functools.partial(mamba2_step_case, N, T, dtype, device,
+                                                                           copies_for))
+                      for name, dtype in common.DTYPES.items() for N, T in ((64, 2), (64, 4), (64, 8), (256, 8)))]
         default = default_configs(K)
     if args.cases:
         builders = [b for b in builders if any(word in b[0] for word in args.cases.split(","))]

@@ -6,6 +6,7 @@
     python benchmarks/tune_verify.py --batch 1,8 --sweep small_grid_rows=1,2,4   # the small-batch shapes only
     python benchmarks/tune_verify.py --tiny          # CPU tensors, Triton's interpreter, tiny shapes
     python benchmarks/tune_verify.py --compile [--grid ...]   # no GPU: registers and spills per configuration
+    python benchmarks/tune_verify.py --family mamba2 --state-dtype bf16   # Nemotron-H-8B's Mamba2 layer
 
 Each configuration replaces some fields of the cuda backend's spec for the state dtype
 (``recoverssm/backends/cuda/launch_table.py``; ``--base default`` starts from ``RecurrenceSpec()``
@@ -16,7 +17,10 @@ instead) and runs inside ``recoverssm.backends.triton.tuning.launch_table``. Fie
 Per configuration and shape: the median device time of ``gdn_verify`` (or
 ``gdn_spec_decode_snapshot``) at H=16, K=V=128 (CUDA graph replays, input sets rotated out of L2)
 and its ratio to a device copy of the same bytes (verify: the state read; snapshot: the state read
-and T states written). Prints a table and writes ``$OUT/tune_verify.json`` when ``OUT`` is set.
+and T states written). ``--family mamba2``: ``mamba2_verify`` (or ``mamba2_spec_decode_snapshot``)
+on the Mamba2 benchmark's Nemotron-H-8B layer (``recoverssm/bench/mamba2.py``: 128 heads, headdim
+64, dstate 128, 8 groups) instead. Prints a table and writes ``$OUT/tune_verify.json`` when
+``OUT`` is set.
 ``--compile`` compiles each configuration for an NVIDIA target without a GPU (verify at N=64 and
 N=1, T=4, HV=48: the large-grid and the small-grid tile) and prints registers and spilled bytes:
 a configuration that spills is not worth GPU time.
@@ -36,6 +40,10 @@ SHAPES = [(64, 4, 48, "verify"), (64, 8, 48, "verify"), (256, 4, 48, "verify"), 
           (1, 2, 48, "verify"), (64, 4, 32, "verify"), (64, 8, 32, "verify"),
           (64, 4, 48, "snapshot"), (64, 8, 32, "snapshot")]
 TINY = dict(H=2, K=16, V=16, shapes=[(2, 2, 4, "verify"), (3, 4, 4, "verify"), (2, 2, 4, "snapshot")])
+MAMBA2_HV = 128     # Nemotron-H-8B's heads (recoverssm.bench.mamba2.GEOMETRIES[0])
+MAMBA2_SHAPES = [(64, 2, MAMBA2_HV, "verify"), (64, 4, MAMBA2_HV, "verify"), (64, 8, MAMBA2_HV, "verify"),
+                 (256, 4, MAMBA2_HV, "verify"), (8, 4, MAMBA2_HV, "verify"), (1, 4, MAMBA2_HV, "verify"),
+                 (1, 2, MAMBA2_HV, "verify"), (64, 4, MAMBA2_HV, "snapshot")]
 
 
 def default_configs(base) -> list[dict]:
@@ -66,6 +74,33 @@ def call_of(w, mode: str, device: str):
     return functools.partial(rs.gdn_spec_decode_snapshot, w.q, w.k, w.v, state=w.state,
                              state_indices=w.state_indices, query_start_loc=w.query_start_loc,
                              snapshot_slots=snap, out=out, backend="cuda", **w.gates())
+
+
+def mamba2_call_of(w, mode: str, device: str):
+    """One Mamba2 call of ``mode`` over window ``w`` (``recoverssm.bench.mamba2.Mamba2Window``)."""
+    if mode == "verify":
+        return w.verify
+    snap = torch.arange(w.N * w.T, dtype=torch.int32, device=device).view(w.N, w.T) + w.N
+    return functools.partial(w.snapshot, snap)
+
+
+def problem(family: str, tiny: bool):
+    """``(K, V, shapes, make_window(N, T, HV, state dtype, device, seed), make_call(window, mode,
+    device))`` of the family's windows."""
+    if family == "mamba2":
+        from recoverssm.bench.mamba2 import GEOMETRIES, mamba2_window
+
+        g = GEOMETRIES[0]
+        return (g.dstate, g.headdim, MAMBA2_SHAPES,
+                lambda N, T, HV, dtype, device, seed: mamba2_window(g, N, T, dtype, seed=seed, device=device),
+                mamba2_call_of)
+    from recoverssm.bench.problems import window
+
+    h, k, v, shapes = (TINY["H"], TINY["K"], TINY["V"], TINY["shapes"]) if tiny else (H, K, V, SHAPES)
+    return (k, v, shapes,
+            lambda N, T, HV, dtype, device, seed: window(N, T, h, HV, k, v, state_dtype=dtype, extra_slots=N * T,
+                                                         device=device, seed=seed),
+            call_of)
 
 
 def compile_configs(configs, base, dtype, table, arch: int) -> None:
@@ -99,6 +134,8 @@ def main():
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     common.add_config_args(ap, "the spec the fields replace: the cuda table's, or RecurrenceSpec()'s defaults")
     ap.add_argument("--state-dtype", choices=list(common.DTYPES), default="fp32")
+    ap.add_argument("--family", choices=["gdn", "mamba2"], default="gdn",
+                    help="gdn: H=16, K=V=128 windows; mamba2: the Mamba2 benchmark's Nemotron-H-8B layer")
     ap.add_argument("--quick", action="store_true", help="the first three configurations only")
     ap.add_argument("--batch", default="", help="only the shapes of these N, comma-separated (e.g. 1,8)")
     common.add_tiny_arg(ap)
@@ -118,10 +155,9 @@ def main():
         return compile_configs(configs, base, dtype, LAUNCH_TABLE, args.compile)
 
     from recoverssm.backends.triton.tuning import launch_table
-    from recoverssm.bench.problems import window
     from recoverssm.bench.timing import CopyCeiling, copies_for
 
-    h, k, v, shapes = (TINY["H"], TINY["K"], TINY["V"], TINY["shapes"]) if args.tiny else (H, K, V, SHAPES)
+    k, v, shapes, make_window, make_call = problem(args.family, args.tiny)
     shapes = of_batch(shapes, args.batch)
     ceiling = None if args.tiny else CopyCeiling("cuda")
     element = torch.tensor([], dtype=dtype).element_size()
@@ -129,8 +165,7 @@ def main():
     for N, T, HV, _ in shapes:
         if (N, T, HV) not in wins:
             n = 1 if args.tiny else copies_for(N * HV * v * k * element)
-            wins[(N, T, HV)] = [window(N, T, h, HV, k, v, state_dtype=dtype, extra_slots=N * T, device=device,
-                                       seed=i) for i in range(n)]
+            wins[(N, T, HV)] = [make_window(N, T, HV, dtype, device, i) for i in range(n)]
     results = []
     for _, config in itertools.product(range(args.repeat), configs):
         spec = dataclasses.replace(base, **config)
@@ -138,7 +173,7 @@ def main():
         try:
             with launch_table("cuda", common.table_with(LAUNCH_TABLE, "recurrence", dtype, spec)):
                 for N, T, HV, mode in shapes:
-                    us = common.device_us([call_of(w, mode, device) for w in wins[(N, T, HV)]], device, iters=20)
+                    us = common.device_us([make_call(w, mode, device) for w in wins[(N, T, HV)]], device, iters=20)
                     state_bytes = N * HV * v * k * element
                     moved = state_bytes * (1 + T) if mode == "snapshot" else state_bytes
                     name = shape_name(N, T, HV, mode)
@@ -165,7 +200,8 @@ def main():
     ok = [r for r in results if "error" not in r]
     if ok:
         print(f"\nbest by {names[0]}:", min(ok, key=lambda r: r[names[0]])["config"])
-    common.write_json("tune_verify.json", dict(state_dtype=args.state_dtype, base=dataclasses.asdict(base),
+    common.write_json("tune_verify.json", dict(family=args.family, state_dtype=args.state_dtype,
+                                               base=dataclasses.asdict(base),
                                                results=results))
 
 

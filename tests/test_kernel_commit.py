@@ -136,10 +136,11 @@ def test_grouped_commit_equals_per_layer(s):
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_tiles_per_program_do_not_change_the_bits(s, state_dtype):
     """A commit program may replay several state tiles in turn (sharing the row's plan), may
-    hint records and next tiles into L2 (compiled kernels only), and may load the replay records
-    of two window positions at a time: 1, 2 and 3 tiles per program (3 leaves the last program
-    short), with and without the hints, records one ahead or two at a time, give the same
-    states and conv states, align mode with boundary writes included (request 0 accepts 4 here:
+    hint records and next tiles into L2 (compiled kernels only), may load the replay records
+    of two window positions at a time, and may round a bf16 state in PTX pairs (compiled kernels
+    only): 1, 2 and 3 tiles per program (3 leaves the last program short), with and without the
+    hints, records one ahead or two at a time, either rounding, give the same states and conv
+    states, align mode with boundary writes included (request 0 accepts 4 here:
     3 tokens into its boundary state, then 1, so replays of odd and even lengths start at odd
     and even positions)."""
     from recoverssm.backends.triton.tuning import launch_table
@@ -153,11 +154,13 @@ def test_tiles_per_program_do_not_change_the_bits(s, state_dtype):
     _, rec = verify(p, "cuda")
     conv_state = torch.randn(16, 12, 3 + 4, device=device)
     results = []
-    for tiles, prefetch, pairs in ((1, False, False), (2, False, False), (3, False, False), (1, True, False),
-                                   (3, True, False), (1, False, True), (2, True, True), (3, False, True)):
+    for tiles, prefetch, pairs, ptx in ((1, False, False, False), (2, False, False, False), (3, False, False, False),
+                                        (1, True, False, False), (3, True, False, False), (1, False, True, False),
+                                        (2, True, True, False), (3, False, True, False), (1, False, False, True),
+                                        (2, True, True, True)):
         state, conv = p.state.clone(), conv_state.clone()
         table = commit_table(block_v=16, tiles_per_program=tiles, prefetch_records=prefetch,
-                             prefetch_next_tile=prefetch, replay_pairs=pairs)
+                             prefetch_next_tile=prefetch, replay_pairs=pairs, ptx_round_bf16=ptx)
         with launch_table("cuda", table):       # a context fixes its launch when it is built
             ctx = rs.CommitContext([[rs.LayerCache(state, rec, conv, conv_width=4)]], max_batch=5, backend="cuda")
         ctx.commit(accepted, p.state_indices, p.qsl, **align)
@@ -166,6 +169,18 @@ def test_tiles_per_program_do_not_change_the_bits(s, state_dtype):
         assert torch.equal(state, results[0][0]) and torch.equal(conv, results[0][1])
     assert not torch.equal(results[0][0], p.state), "the commit wrote nothing"
 
+
+
+def test_launch_table_entry_for_a_head_size():
+    """A commit spec keyed ``(state dtype, V)`` serves layers of ``V`` value rows per head only;
+    every other head size, and a call that names none, gets the state dtype's own spec."""
+    from recoverssm.backends.triton.config import CommitSpec, LaunchTable
+
+    own, for_64 = CommitSpec(block_v=32), CommitSpec(block_v=32, tiles_per_program=2)
+    table = LaunchTable(commit={torch.float32: own, (torch.float32, 64): for_64, torch.bfloat16: CommitSpec()})
+    assert table.commit_for(torch.float32, 64) is for_64
+    assert table.commit_for(torch.float32, 128) is own and table.commit_for(torch.float32) is own
+    assert table.commit_for(torch.bfloat16, 64) == CommitSpec()
 
 
 @pytest.mark.parametrize("s", SETTINGS)

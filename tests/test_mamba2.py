@@ -103,15 +103,18 @@ def test_verify_and_decode_match_float64(backend, D, z, dt_limit, A_given):
 
 @pytest.mark.parametrize("backend", backends())
 @pytest.mark.parametrize("state_dtype", [F32, BF16])
-@pytest.mark.parametrize("seed", [0, 1])
-def test_commit_of_every_count_equals_one_token_decode_steps(backend, state_dtype, seed):
+@pytest.mark.parametrize("seed, dims", [(0, dict(G=1, HV=4, K=16, V=8)), (1, dict(G=1, HV=4, K=16, V=8)),
+                                        (2, dict(G=2, HV=4, K=128, V=64))], ids=["small0", "small1", "headdim64"])
+def test_commit_of_every_count_equals_one_token_decode_steps(backend, state_dtype, seed, dims):
     """verify + commit of n == n one-token decode calls == the snapshot of position n - 1, bit for
-    bit, for random windows and accepted counts, a padding row, heads sharing a group."""
+    bit, for random windows and accepted counts, a padding row, heads sharing a group; small heads,
+    and the headdim (64) and dstate (128) of Nemotron-H's layers, which have launch specs of their
+    own on some backends."""
     dev = device_of(backend)
     gen = torch.Generator().manual_seed(100 + seed)
     lens = [int(n) for n in torch.randint(1, 6, (4,), generator=gen)]
     slots = [2, -1, 7, 5]
-    p, kw = mamba2_problem(lens, slots, G=1, HV=4, K=16, V=8, seed=seed, state_dtype=state_dtype,
+    p, kw = mamba2_problem(lens, slots, **dims, seed=seed, state_dtype=state_dtype,
                            act_dtype=BF16, z=True, dt_limit=(0.001, None), device=dev)
     accepted = [int(torch.randint(0, n + 1, (), generator=gen)) for n in lens]
     before = p["state"].clone()

@@ -14,20 +14,31 @@ Why each entry (measurements in docs/BENCHMARKS.md; ``benchmarks/tune_verify.py`
 * commit, fp32 states: 32 V rows, 1 warp, 1 tile per program, record prefetch. At copy bandwidth
   (0.92x); fewer programs in flight only lose.
 * commit, bf16 states: 16 V rows, 1 warp, 128 registers, 2 tiles per program, next tile hinted,
-  record pairs. 0.904x -> 0.931x copy at 64 requests; 0.863x -> 0.905x at 8.
+  record pairs, the per-token rounding in PTX pairs. 0.825x -> 0.916x copy at 64 requests (3 groups
+  x 6 layers, T = 4) and 0.794x -> 0.888x at 8 from the PTX rounding alone (the compiler's cast
+  widens back with a byte permute and a multiply per value: 604 -> 539 instructions per token);
+  Mamba2 (Nemotron-H-8B, N = 64) 0.52x -> 0.68x at T = 8.
+* commit, fp32 states with 64 V rows per head (Mamba2's headdim 64): 2 tiles per program (one
+  program per head) and record pairs. Nemotron-H-8B, T = 8: 0.83x -> 0.90x copy at N = 64, 0.84x
+  -> 0.91x at N = 256; the same spec for V = 128 (GDN, KDA) loses 2% to 7% (fewer programs).
 """
+from dataclasses import replace
+
 import torch
 
 from ..triton.config import CommitSpec, ConvSpec, LaunchTable, RecurrenceSpec
 
+_COMMIT_FP32 = CommitSpec(block_v=32, warps=1, prefetch_records=True)
 _RECURRENCE = RecurrenceSpec(lanes_k=8, rows=8, warps=1, small_grid_programs=792, small_grid_rows=4,
                              small_grid_max_registers=168, l2_hints=True)
 
 LAUNCH_TABLE = LaunchTable(
     recurrence={torch.float32: RecurrenceSpec(**{**_RECURRENCE.__dict__, "ptx_widen_bf16": True}),
                 torch.bfloat16: _RECURRENCE},
-    commit={torch.float32: CommitSpec(block_v=32, warps=1, prefetch_records=True),
+    commit={torch.float32: _COMMIT_FP32,
+            (torch.float32, 64): replace(_COMMIT_FP32, tiles_per_program=2, replay_pairs=True),
             torch.bfloat16: CommitSpec(block_v=16, warps=1, max_registers=128, tiles_per_program=2,
-                                       prefetch_records=True, prefetch_next_tile=True, replay_pairs=True)},
+                                       prefetch_records=True, prefetch_next_tile=True, replay_pairs=True,
+                                       ptx_round_bf16=True)},
     conv=ConvSpec(block=128, warps=4),
 )

@@ -168,7 +168,7 @@ def load_record(corr_row, key_row, decay_row, t, valid, offs_v, mask_v, offs_k, 
 
 @triton.jit
 def replay_step(S, correction, k_hat, decay, VECTOR_DECAY: tl.constexpr, STATE_DTYPE: tl.constexpr,
-                ROUND_EACH_TOKEN: tl.constexpr, INTERPRETED: tl.constexpr):
+                ROUND_EACH_TOKEN: tl.constexpr, INTERPRETED: tl.constexpr, PTX_ROUND_BF16: tl.constexpr):
     """``S = fma(c, k^, S * d)`` on a ``[BV, K_PAD]`` tile (with ``ROUND_EACH_TOKEN``, rounded to
     the pool's dtype, ``as_stored``, as verify rounds its running state); ``d`` scales every
     element (GDN) or column ``j`` by ``d[j]`` (KDA)."""
@@ -177,13 +177,14 @@ def replay_step(S, correction, k_hat, decay, VECTOR_DECAY: tl.constexpr, STATE_D
     else:
         decayed = S * decay
     return as_stored(tl.fma(correction[:, None], k_hat[None, :], decayed), STATE_DTYPE, ROUND_EACH_TOKEN,
-                     INTERPRETED)
+                     INTERPRETED, PTX_ROUND_BF16)
 
 
 @triton.jit
 def replay_tokens(S, corr_row, key_row, decay_row, first, last, offs_v, mask_v, offs_k, mask_k,
                   V: tl.constexpr, K: tl.constexpr, PAIRS: tl.constexpr, VECTOR_DECAY: tl.constexpr,
-                  STATE_DTYPE: tl.constexpr, ROUND_EACH_TOKEN: tl.constexpr, INTERPRETED: tl.constexpr):
+                  STATE_DTYPE: tl.constexpr, ROUND_EACH_TOKEN: tl.constexpr, INTERPRETED: tl.constexpr,
+                  PTX_ROUND_BF16: tl.constexpr):
     """``S = fma(c_t, k^_t, S * d_t)`` for window positions ``first <= t < last`` (``[BV, K_PAD]`` tile).
 
     A token waits for its replay record (a few hundred bytes) unless the load went out earlier:
@@ -199,16 +200,17 @@ def replay_tokens(S, corr_row, key_row, decay_row, first, last, offs_v, mask_v, 
                                      VECTOR_DECAY)
             c1, k1, d1 = load_record(corr_row, key_row, decay_row, t + 1, t + 1 < last,
                                      offs_v, mask_v, offs_k, mask_k, V, K, VECTOR_DECAY)
-            S = replay_step(S, c0, k0, d0, VECTOR_DECAY, STATE_DTYPE, ROUND_EACH_TOKEN, INTERPRETED)
+            S = replay_step(S, c0, k0, d0, VECTOR_DECAY, STATE_DTYPE, ROUND_EACH_TOKEN, INTERPRETED, PTX_ROUND_BF16)
             if t + 1 < last:
-                S = replay_step(S, c1, k1, d1, VECTOR_DECAY, STATE_DTYPE, ROUND_EACH_TOKEN, INTERPRETED)
+                S = replay_step(S, c1, k1, d1, VECTOR_DECAY, STATE_DTYPE, ROUND_EACH_TOKEN, INTERPRETED, PTX_ROUND_BF16)
     else:
         correction, k_hat, decay = load_record(corr_row, key_row, decay_row, first, first < last,
                                                offs_v, mask_v, offs_k, mask_k, V, K, VECTOR_DECAY)
         for t in range(first, last):
             next_correction, next_k_hat, next_decay = load_record(
                 corr_row, key_row, decay_row, t + 1, t + 1 < last, offs_v, mask_v, offs_k, mask_k, V, K, VECTOR_DECAY)
-            S = replay_step(S, correction, k_hat, decay, VECTOR_DECAY, STATE_DTYPE, ROUND_EACH_TOKEN, INTERPRETED)
+            S = replay_step(S, correction, k_hat, decay, VECTOR_DECAY, STATE_DTYPE, ROUND_EACH_TOKEN, INTERPRETED,
+                            PTX_ROUND_BF16)
             correction, k_hat, decay = next_correction, next_k_hat, next_decay
     return S
 
@@ -305,7 +307,7 @@ def commit_state_tile(state, slot_stride, offsets, mask, corr, key, decay,
                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                       K_PAD: tl.constexpr, BV: tl.constexpr, V_TILES: tl.constexpr,
                       STATE_DTYPE: tl.constexpr, REPLAY_PAIRS: tl.constexpr, VECTOR_DECAY: tl.constexpr,
-                      ROUND_EACH_TOKEN: tl.constexpr, INTERPRETED: tl.constexpr):
+                      ROUND_EACH_TOKEN: tl.constexpr, INTERPRETED: tl.constexpr, PTX_ROUND_BF16: tl.constexpr):
     """One ``[BV, K_PAD]`` state tile of one row and layer (``offsets``, ``mask``: from
     ``tile_offsets``), already read from the source slot (``source_tile``, storage dtype): replay
     the accepted records (``corr``, ``key``, ``decay``: the layer's record pointers; ``row``: the
@@ -319,12 +321,12 @@ def commit_state_tile(state, slot_stride, offsets, mask, corr, key, decay,
 
     S = source_tile.to(tl.float32)
     S = replay_tokens(S, corr_row, key_row, decay_row, 0, boundary_len, offs_v, mask_v, offs_k, mask_k, V, K,
-                      REPLAY_PAIRS, VECTOR_DECAY, STATE_DTYPE, ROUND_EACH_TOKEN, INTERPRETED)
+                      REPLAY_PAIRS, VECTOR_DECAY, STATE_DTYPE, ROUND_EACH_TOKEN, INTERPRETED, PTX_ROUND_BF16)
     if boundary > null_slot:
         tl.store(state + boundary.to(tl.int64) * slot_stride + offsets, to_storage(S, STATE_DTYPE, INTERPRETED),
                  mask=mask)
     S = replay_tokens(S, corr_row, key_row, decay_row, boundary_len, n, offs_v, mask_v, offs_k, mask_k, V, K,
-                      REPLAY_PAIRS, VECTOR_DECAY, STATE_DTYPE, ROUND_EACH_TOKEN, INTERPRETED)
+                      REPLAY_PAIRS, VECTOR_DECAY, STATE_DTYPE, ROUND_EACH_TOKEN, INTERPRETED, PTX_ROUND_BF16)
     tl.store(state + final.to(tl.int64) * slot_stride + offsets, to_storage(S, STATE_DTYPE, INTERPRETED), mask=mask)
 
 
@@ -369,6 +371,7 @@ def grouped_commit_kernel(
     TILES_PER_PROGRAM: tl.constexpr,
     PREFETCH_RECORDS: tl.constexpr, PREFETCH_NEXT_TILE: tl.constexpr, REPLAY_PAIRS: tl.constexpr,
     VECTOR_DECAY: tl.constexpr, FLUSH: tl.constexpr, INTERPRETED: tl.constexpr, ROUND_EACH_TOKEN: tl.constexpr,
+    PTX_ROUND_BF16: tl.constexpr,
 ):
     """One step's commit (the plan of each row from the step's index tensors), or with ``FLUSH``
     the pending step of a deferred context for the rows ``flush_rows`` lists (each row's plan
@@ -419,7 +422,7 @@ def grouped_commit_kernel(
                     commit_state_tile(state, slot_stride, offsets, mask, corr, key, decay,
                                       record_row, tile_index, tile, n, final, boundary, boundary_len, max_window,
                                       null_slot, H, HV, K, V, K_PAD, BV, V_TILES, STATE_DTYPE, REPLAY_PAIRS,
-                                      VECTOR_DECAY, ROUND_EACH_TOKEN, INTERPRETED)
+                                      VECTOR_DECAY, ROUND_EACH_TOKEN, INTERPRETED, PTX_ROUND_BF16)
         else:
             conv = tl.load(lt + LAYER_CONV)
             conv_dim = tl.load(lt + LAYER_CONV_DIM)

@@ -58,7 +58,9 @@ class CommitSpec:
     state tiles one program replays in turn, sharing the row's plan; ``prefetch_records``,
     ``prefetch_next_tile``: L2 prefetch hints (PTX; NVIDIA only, never interpreted) for a
     program's replay records and for its next state tile; ``replay_pairs``: load two window
-    positions' records at a time (``commit.replay_tokens``).
+    positions' records at a time (``commit.replay_tokens``); ``ptx_round_bf16``: round a bf16
+    pool's running state after each token with PTX, two values per instruction
+    (``numerics.round_pairs_to_bf16``: the same bits; NVIDIA only, never interpreted).
     """
 
     block_v: int = 32
@@ -68,6 +70,7 @@ class CommitSpec:
     prefetch_records: bool = False
     prefetch_next_tile: bool = False
     replay_pairs: bool = False
+    ptx_round_bf16: bool = False
 
 
 @dataclass(frozen=True)
@@ -81,8 +84,10 @@ class ConvSpec:
 @dataclass(frozen=True)
 class LaunchTable:
     """One backend's launch specifications: per kernel, and for the recurrence and the commit per
-    state dtype (``torch.float32``, ``torch.bfloat16``). ``compile_options``: extra options for
-    every launch (e.g. ``grf_mode`` on Intel GPUs)."""
+    state dtype (``torch.float32``, ``torch.bfloat16``). The commit's may also name a head size:
+    an entry keyed ``(state dtype, V)`` serves layers of ``V`` value rows per head (e.g. Mamba2's
+    ``headdim``) in place of the state dtype's own. ``compile_options``: extra options for every
+    launch (e.g. ``grf_mode`` on Intel GPUs)."""
 
     recurrence: dict = field(default_factory=lambda: {torch.float32: RecurrenceSpec(),
                                                       torch.bfloat16: RecurrenceSpec()})
@@ -94,8 +99,9 @@ class LaunchTable:
     def recurrence_for(self, state_dtype: torch.dtype) -> RecurrenceSpec:
         return self.recurrence[state_dtype]
 
-    def commit_for(self, state_dtype: torch.dtype) -> CommitSpec:
-        return self.commit[state_dtype]
+    def commit_for(self, state_dtype: torch.dtype, V: Optional[int] = None) -> CommitSpec:
+        """The commit's spec for a pool of ``state_dtype`` with ``V`` value rows per head."""
+        return self.commit.get((state_dtype, V)) or self.commit[state_dtype]
 
     def options(self, num_warps: int, max_registers: Optional[int] = None) -> dict:
         """Compile options of one launch.

@@ -361,8 +361,8 @@ class _Launch:
                                                              commit_kernels.LAYER_POINTER_COLUMNS)
         table = committer.table
         tile_items, self.constexprs, self.options = commit_specialization(
-            table.commit_for(first.state.dtype), table, self.state_dtype, self.conv_dtype, self.H, self.HV, self.K,
-            self.V, self.conv_cols, self.aligned, self.vector_decay, self.round_each_token)
+            table.commit_for(first.state.dtype, self.V), table, self.state_dtype, self.conv_dtype, self.H, self.HV,
+            self.K, self.V, self.conv_cols, self.aligned, self.vector_decay, self.round_each_token)
         self.items = tile_items + triton.cdiv(self.max_conv_dim, table.conv.block)
 
 
@@ -529,7 +529,8 @@ def commit_specialization(spec: CommitSpec, table: LaunchTable, state_dtype: str
                       PREFETCH_RECORDS=spec.prefetch_records and not interpreted,
                       PREFETCH_NEXT_TILE=spec.prefetch_next_tile and tiles_per_program > 1 and not interpreted,
                       REPLAY_PAIRS=spec.replay_pairs, VECTOR_DECAY=vector_decay, FLUSH=False, INTERPRETED=interpreted,
-                      ROUND_EACH_TOKEN=round_each_token)
+                      ROUND_EACH_TOKEN=round_each_token,
+                      PTX_ROUND_BF16=spec.ptx_round_bf16 and not interpreted)
     return triton.cdiv(tiles, tiles_per_program), constexprs, table.options(spec.warps, spec.max_registers)
 
 

@@ -32,13 +32,28 @@ def to_storage(x, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def as_stored(S, DTYPE: tl.constexpr, ROUND_EACH_TOKEN: tl.constexpr, INTERPRETED: tl.constexpr):
+def round_pairs_to_bf16(x):
+    """An fp32 tile rounded to bf16 (to nearest even) and widened back, two values per PTX
+    ``cvt.rn.bf16x2.f32`` (the compiler's cast issues the same instruction) and one bit operation
+    per value to widen: the same bits as ``to_storage(x, bf16).to(fp32)``, and the tile never
+    leaves fp32, so the compiler keeps its layout. PTX: compiled kernels on NVIDIA GPUs only."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 p; cvt.rn.bf16x2.f32 p, $3, $2; shl.b32 $0, p, 16; and.b32 $1, p, 0xffff0000; }",
+        "=r,=r,r,r", [x], dtype=tl.float32, is_pure=True, pack=2)
+
+
+@triton.jit
+def as_stored(S, DTYPE: tl.constexpr, ROUND_EACH_TOKEN: tl.constexpr, INTERPRETED: tl.constexpr,
+              PTX_ROUND_BF16: tl.constexpr):
     """The running state after a token: with ``ROUND_EACH_TOKEN``, as a pool of ``DTYPE`` holds
-    it (rounded to ``DTYPE`` with ``to_storage`` and widened back), so that a window run in one
-    call gives the bits of one call per token, each of which stores its state; else (and for an
-    fp32 pool) ``S`` itself."""
+    it (rounded to ``DTYPE`` with ``to_storage`` and widened back, or for bf16 with
+    ``PTX_ROUND_BF16`` by ``round_pairs_to_bf16``), so that a window run in one call gives the
+    bits of one call per token, each of which stores its state; else (and for an fp32 pool) ``S``
+    itself."""
     if (DTYPE == tl.float32) or (not ROUND_EACH_TOKEN):
         return S
+    elif PTX_ROUND_BF16 and (DTYPE == tl.bfloat16):
+        return round_pairs_to_bf16(S)
     else:
         return to_storage(S, DTYPE, INTERPRETED).to(tl.float32)
 

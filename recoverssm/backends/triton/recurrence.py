@@ -371,7 +371,7 @@ def replay_records(S, corr_row, key_row, decay_row, first, last, offs_v, mask_v,
         else:
             decay = tl.load(decay_row + t)
         S = as_stored(tl.fma(correction[:, :, None, None], k_hat, S * decay), STATE_DTYPE, ROUND_EACH_TOKEN,
-                      INTERPRETED)
+                      INTERPRETED, False)
     return S
 
 
@@ -534,8 +534,9 @@ def recurrence_kernel(
                 S, correction, o_t = delta_rule_step(S, k_hat, q_hat, v_t, beta, decay)
             # with ROUND_EACH_TOKEN a non-fp32 pool's state is rounded after every token, as one
             # call per token would store it (the output above came from the state before that
-            # rounding, as there)
-            S = as_stored(S, state_ptr.dtype.element_ty, ROUND_EACH_TOKEN, INTERPRETED)
+            # rounding, as there). The compiler's cast, not the commit's PTX pairs: those made
+            # Mamba2's tile spill here (verify 3x slower on the H200) and left GDN's within 2%.
+            S = as_stored(S, state_ptr.dtype.element_ty, ROUND_EACH_TOKEN, INTERPRETED, False)
 
             tok = (start + t).to(tl.int64)
             store_masked(out_ptr + tok * stride_o_t + hv * stride_o_h + offs_v,
